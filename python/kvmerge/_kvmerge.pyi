@@ -1,0 +1,104 @@
+"""Compiled core of kvmerge (Rust, PyO3). Import from `kvmerge`, not from here."""
+
+from collections.abc import Sequence
+from typing import Any, Literal, final
+
+import msgspec
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+KVCacheEventT = BlockStored | BlockRemoved | AllBlocksCleared
+Rule = Literal["all", "quorum", "any"]
+
+class KVMergeError(Exception):
+    """Base of every error kvmerge raises."""
+
+class CorruptBatchError(KVMergeError, ValueError):
+    """A batch buffer is truncated, corrupted or not a kvmerge batch."""
+
+class InvalidEventError(KVMergeError, TypeError):
+    """`encode` got something that is not a vLLM KV cache event of a known shape."""
+
+class ConfigError(KVMergeError, ValueError):
+    """A `Merger` setting is invalid."""
+
+class RankError(KVMergeError, ValueError):
+    """A rank outside the world, or a rank added twice in one step."""
+
+class GroupError(KVMergeError, ValueError):
+    """A `BlockStored.group_idx` without a replication factor (rule "quorum")."""
+
+@final
+class EventBatch:
+    """An immutable, encoded batch of KV cache events with their identities.
+
+    Supports the buffer protocol (its bytes are the wire format) and pickles
+    as an out-of-band `pickle.PickleBuffer` with protocol 5.
+    """
+
+    @staticmethod
+    def from_buffer(buffer: Any) -> EventBatch:
+        """Borrow a received buffer (bytes, bytearray, memoryview...) without copying."""
+
+    @staticmethod
+    def empty() -> EventBatch: ...
+    def decode(self) -> list[KVCacheEventT]:
+        """The events, equal to the encoded ones, in order."""
+
+    def raw(self) -> list[msgspec.Raw]:
+        """Each event's msgpack encoding, ready for a msgspec encoder."""
+
+    def identities(self) -> list[bytes]:
+        """Each event's 16-byte identity."""
+
+    @property
+    def nbytes(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __bytes__(self) -> bytes: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __reduce_ex__(self, protocol: Any, /) -> tuple[Any, ...]: ...
+
+@final
+class MergerStats:
+    steps: int
+    batches: int
+    reports: int
+    published: int
+    consumed: int
+    cleared: int
+    expired: int
+    pending: int
+    def as_dict(self) -> dict[str, int]: ...
+
+@final
+class Merger:
+    """Merges per-rank event batches into events published once."""
+
+    def __init__(
+        self,
+        world_size: int,
+        rule: Rule = "all",
+        replication_factors: Sequence[int] | None = None,
+        max_pending_steps: int = 32,
+    ) -> None: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def rule(self) -> Rule: ...
+    @property
+    def replication_factors(self) -> list[int] | None: ...
+    @property
+    def max_pending_steps(self) -> int: ...
+    @property
+    def step(self) -> int:
+        """The number of the step now being collected."""
+
+    def add(self, rank: int, batch: EventBatch) -> None: ...
+    def finish_step(self) -> list[KVCacheEventT]: ...
+    def finish_step_raw(self) -> list[msgspec.Raw]: ...
+    def finish_step_batch(self) -> EventBatch: ...
+    def stats(self) -> MergerStats: ...
+    def reset(self) -> None:
+        """Drop every pending report and the current step's batches (counters stay)."""
+
+def encode(events: Sequence[KVCacheEventT]) -> EventBatch:
+    """Encode vLLM KV cache events into a batch (identities computed here)."""

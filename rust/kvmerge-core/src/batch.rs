@@ -1,0 +1,436 @@
+//! The wire format of a batch: a small header, one fixed-size record per
+//! event (identity, span, kind, group), then the msgspec payload untouched.
+//!
+//! ```text
+//! 0..4    magic "KVMB"          8..12   event count (u32 LE)
+//! 4       format version (1)    12..16  payload length (u32 LE)
+//! 5..8    zero                  16..24  XXH3-64 of every byte after 24
+//! 24..    one 40-byte record per event, then the payload: a msgpack array
+//!         whose elements are the events, exactly as msgspec encoded them
+//! record: 0..16 identity | 16..20 offset in payload | 20..24 length
+//!         24 kind | 25 flags (bit 0: has group) | 26..32 zero | 32..40 group
+//! ```
+//! The merger reads records only; the payload is read once more, to copy the
+//! published events out.
+
+use crate::error::{Error, Result};
+use crate::identity::Identity;
+use crate::msgpack::{self, Reader};
+use crate::schema::{self, EventKind};
+
+const MAGIC: &[u8; 4] = b"KVMB";
+const VERSION: u8 = 1;
+pub const HEADER_LEN: usize = 24;
+pub const RECORD_LEN: usize = 40;
+const HAS_GROUP: u8 = 1;
+
+/// Memory a `Batch` reads from: an owned `Vec`, or a buffer the binding
+/// borrows from Python without copying.
+///
+/// # Safety
+/// `bytes()` must return the same, unchanging slice for as long as the value
+/// lives: the batch keeps a pointer to it.
+pub unsafe trait Backing: Send + Sync + 'static {
+    fn bytes(&self) -> &[u8];
+}
+
+// SAFETY: a Vec we own and never mutate does not move its heap buffer.
+unsafe impl Backing for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// One event's record, decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Record {
+    pub identity: Identity,
+    pub kind: EventKind,
+    pub group_idx: Option<i64>,
+    offset: u32,
+    len: u32,
+}
+
+/// An immutable, validated batch.
+pub struct Batch {
+    /// Owns the bytes `ptr` points into.
+    _owner: Box<dyn Backing>,
+    ptr: *const u8,
+    nbytes: usize,
+    n_events: usize,
+}
+
+// SAFETY: `ptr` points into `backing`, which is Send + Sync and never mutated.
+unsafe impl Send for Batch {}
+unsafe impl Sync for Batch {}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("events", &self.n_events)
+            .field("nbytes", &self.nbytes)
+            .finish()
+    }
+}
+
+fn corrupt(msg: impl Into<String>) -> Error {
+    Error::CorruptBatch(msg.into())
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+impl Batch {
+    /// Validates `backing` as a batch and takes it over without copying.
+    pub fn from_backing(backing: Box<dyn Backing>) -> Result<Batch> {
+        let bytes = backing.bytes();
+        let (ptr, nbytes) = (bytes.as_ptr(), bytes.len());
+        let n_events = validate(bytes)?;
+        Ok(Batch {
+            _owner: backing,
+            ptr,
+            nbytes,
+            n_events,
+        })
+    }
+
+    pub fn from_vec(bytes: Vec<u8>) -> Result<Batch> {
+        Batch::from_backing(Box::new(bytes))
+    }
+
+    /// Builds a batch from msgspec's encoding of a list of vLLM events,
+    /// checking every event's shape and computing its identity.
+    pub fn encode(payload: &[u8]) -> Result<Batch> {
+        let mut r = Reader::new(payload);
+        let n = r
+            .read_array_len()
+            .map_err(|e| Error::InvalidEvents(e.to_string()))?;
+        let mut out = Vec::with_capacity(HEADER_LEN + n.min(1 << 20) * RECORD_LEN + payload.len());
+        out.resize(HEADER_LEN, 0);
+        for index in 0..n {
+            let start = r.pos();
+            let info = schema::read_event(&mut r)
+                .map_err(|reason| Error::InvalidEvent { index, reason })?;
+            let span = &payload[start..r.pos()];
+            push_record(
+                &mut out,
+                Identity::of(span),
+                info.kind,
+                info.group_idx,
+                start,
+                span.len(),
+            );
+        }
+        if !r.is_empty() {
+            return Err(Error::InvalidEvents(format!(
+                "{} trailing bytes after the event list",
+                payload.len() - r.pos()
+            )));
+        }
+        out.extend_from_slice(payload);
+        finish_header(&mut out, n, payload.len())?;
+        Batch::from_vec(out)
+    }
+
+    /// A new batch holding the given events of other batches, in order.
+    pub fn gather<'a>(events: impl ExactSizeIterator<Item = (&'a Batch, usize)> + Clone) -> Batch {
+        let n = events.len();
+        let mut payload_len = array_header_len(n);
+        for (batch, i) in events.clone() {
+            payload_len += batch.record(i).len as usize;
+        }
+        let mut out = Vec::with_capacity(HEADER_LEN + n * RECORD_LEN + payload_len);
+        out.resize(HEADER_LEN, 0);
+        let mut offset = array_header_len(n);
+        for (batch, i) in events.clone() {
+            let rec = batch.record(i);
+            push_record(
+                &mut out,
+                rec.identity,
+                rec.kind,
+                rec.group_idx,
+                offset,
+                rec.len as usize,
+            );
+            offset += rec.len as usize;
+        }
+        msgpack::write_array_header(&mut out, n);
+        for (batch, i) in events {
+            out.extend_from_slice(batch.event_bytes(i));
+        }
+        finish_header(&mut out, n, payload_len).expect("gathered batches fit their own limits");
+        Batch::from_vec(out).expect("a gathered batch is valid")
+    }
+
+    pub fn empty() -> Batch {
+        Batch::encode(&[0x90]).expect("the empty list is a valid batch")
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: see `Backing`; `ptr`/`nbytes` came from `backing`, alive with self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.nbytes) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.n_events
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n_events == 0
+    }
+
+    /// The msgpack array of all events, as msgspec would decode it.
+    pub fn payload(&self) -> &[u8] {
+        &self.bytes()[self.payload_start()..]
+    }
+
+    pub fn payload_start(&self) -> usize {
+        HEADER_LEN + self.n_events * RECORD_LEN
+    }
+
+    pub fn record(&self, i: usize) -> Record {
+        let at = HEADER_LEN + i * RECORD_LEN;
+        let r = &self.bytes()[at..at + RECORD_LEN];
+        let mut identity = [0u8; 16];
+        identity.copy_from_slice(&r[..16]);
+        Record {
+            identity: Identity(identity),
+            kind: EventKind::from_u8(r[24]).expect("validated"),
+            group_idx: (r[25] & HAS_GROUP != 0)
+                .then(|| i64::from_le_bytes(r[32..40].try_into().expect("8 bytes"))),
+            offset: u32_at(r, 16),
+            len: u32_at(r, 20),
+        }
+    }
+
+    /// Only the identity: the merger's hot loops need nothing else.
+    pub fn identity(&self, i: usize) -> Identity {
+        let at = HEADER_LEN + i * RECORD_LEN;
+        let mut identity = [0u8; 16];
+        identity.copy_from_slice(&self.bytes()[at..at + 16]);
+        Identity(identity)
+    }
+
+    pub fn kind(&self, i: usize) -> EventKind {
+        EventKind::from_u8(self.bytes()[HEADER_LEN + i * RECORD_LEN + 24]).expect("validated")
+    }
+
+    /// The msgpack encoding of event `i`.
+    pub fn event_bytes(&self, i: usize) -> &[u8] {
+        let rec = self.record(i);
+        let start = self.payload_start() + rec.offset as usize;
+        &self.bytes()[start..start + rec.len as usize]
+    }
+
+    /// Byte range of event `i` within `bytes()`.
+    pub fn event_range(&self, i: usize) -> std::ops::Range<usize> {
+        let rec = self.record(i);
+        let start = self.payload_start() + rec.offset as usize;
+        start..start + rec.len as usize
+    }
+
+    pub fn identities(&self) -> impl Iterator<Item = Identity> + '_ {
+        (0..self.n_events).map(|i| self.identity(i))
+    }
+
+    /// The identity column, as stored: cheap to compare between batches.
+    pub fn identity_column_eq(&self, other: &Batch) -> bool {
+        self.n_events == other.n_events
+            && (0..self.n_events).all(|i| self.identity(i) == other.identity(i))
+    }
+}
+
+fn array_header_len(n: usize) -> usize {
+    if n < 16 {
+        1
+    } else if n <= u16::MAX as usize {
+        3
+    } else {
+        5
+    }
+}
+
+fn push_record(
+    out: &mut Vec<u8>,
+    identity: Identity,
+    kind: EventKind,
+    group: Option<i64>,
+    offset: usize,
+    len: usize,
+) {
+    out.extend_from_slice(&identity.0);
+    out.extend_from_slice(&(offset as u32).to_le_bytes());
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    out.push(kind as u8);
+    out.push(if group.is_some() { HAS_GROUP } else { 0 });
+    out.extend_from_slice(&[0u8; 6]);
+    out.extend_from_slice(&group.unwrap_or(0).to_le_bytes());
+}
+
+fn finish_header(out: &mut [u8], n: usize, payload_len: usize) -> Result<()> {
+    let n32 = u32::try_from(n)
+        .map_err(|_| Error::InvalidEvents(format!("{n} events exceed one batch's limit")))?;
+    let len32 = u32::try_from(payload_len).map_err(|_| {
+        Error::InvalidEvents(format!(
+            "{payload_len} bytes exceed one batch's 4 GiB limit"
+        ))
+    })?;
+    out[..4].copy_from_slice(MAGIC);
+    out[4] = VERSION;
+    out[8..12].copy_from_slice(&n32.to_le_bytes());
+    out[12..16].copy_from_slice(&len32.to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&out[HEADER_LEN..]);
+    out[16..24].copy_from_slice(&sum.to_le_bytes());
+    Ok(())
+}
+
+/// Checks everything the merger and the output path rely on; returns the
+/// number of events.
+fn validate(b: &[u8]) -> Result<usize> {
+    if b.len() < HEADER_LEN {
+        return Err(corrupt(format!(
+            "truncated: {} bytes, shorter than the {HEADER_LEN}-byte header",
+            b.len()
+        )));
+    }
+    if &b[..4] != MAGIC {
+        return Err(corrupt("not a kvmerge batch (bad magic bytes)"));
+    }
+    if b[4] != VERSION {
+        return Err(corrupt(format!(
+            "format version {} is not supported (this build reads version {VERSION})",
+            b[4]
+        )));
+    }
+    if b[5..8] != [0, 0, 0] {
+        return Err(corrupt("reserved header bytes are not zero"));
+    }
+    let n = u32_at(b, 8) as usize;
+    let payload_len = u32_at(b, 12) as usize;
+    let expected = HEADER_LEN as u64 + n as u64 * RECORD_LEN as u64 + payload_len as u64;
+    if (b.len() as u64) < expected {
+        return Err(corrupt(format!(
+            "truncated: {} bytes, the header announces {expected}",
+            b.len()
+        )));
+    }
+    if b.len() as u64 > expected {
+        return Err(corrupt(format!(
+            "{} bytes of trailing data after the announced {expected}",
+            b.len() as u64 - expected
+        )));
+    }
+    let stored = u64::from_le_bytes(b[16..24].try_into().expect("8 bytes"));
+    if xxhash_rust::xxh3::xxh3_64(&b[HEADER_LEN..]) != stored {
+        return Err(corrupt(
+            "checksum mismatch: the buffer was altered or damaged",
+        ));
+    }
+    let payload = &b[HEADER_LEN + n * RECORD_LEN..];
+    let mut head = Reader::new(payload);
+    match head.read_array_len() {
+        Ok(count) if count == n => {}
+        Ok(count) => {
+            return Err(corrupt(format!(
+                "payload holds {count} events, the header announces {n}"
+            )))
+        }
+        Err(e) => return Err(corrupt(format!("payload: {e}"))),
+    }
+    // Spans must tile the payload in order: then every event's bytes are
+    // inside the buffer and none overlap.
+    let mut next = head.pos();
+    for i in 0..n {
+        let r = &b[HEADER_LEN + i * RECORD_LEN..HEADER_LEN + (i + 1) * RECORD_LEN];
+        if EventKind::from_u8(r[24]).is_none() || r[25] & !HAS_GROUP != 0 || r[26..32] != [0; 6] {
+            return Err(corrupt(format!("record {i} is malformed")));
+        }
+        let (offset, len) = (u32_at(r, 16) as usize, u32_at(r, 20) as usize);
+        if offset != next || len == 0 || offset + len > payload.len() {
+            return Err(corrupt(format!("record {i} points outside its event")));
+        }
+        next = offset + len;
+    }
+    if next != payload.len() {
+        return Err(corrupt("event records do not cover the payload"));
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `{"type": "AllBlocksCleared"}` as msgspec writes it.
+    pub(crate) fn clear_event() -> Vec<u8> {
+        let mut v = vec![0x81, 0xa4];
+        v.extend_from_slice(b"type");
+        v.push(0xa0 | 16);
+        v.extend_from_slice(b"AllBlocksCleared");
+        v
+    }
+
+    #[test]
+    fn encode_then_validate_round_trips() {
+        let mut payload = vec![0x92];
+        payload.extend(clear_event());
+        payload.extend(clear_event());
+        let b = Batch::encode(&payload).unwrap();
+        assert_eq!(b.len(), 2);
+        assert_eq!(b.payload(), &payload[..]);
+        assert_eq!(b.identity(0), b.identity(1));
+        assert_eq!(b.kind(1), EventKind::AllBlocksCleared);
+        let again = Batch::from_vec(b.bytes().to_vec()).unwrap();
+        assert_eq!(again.event_bytes(1), &clear_event()[..]);
+    }
+
+    #[test]
+    fn every_truncation_and_flip_is_rejected() {
+        let mut payload = vec![0x91];
+        payload.extend(clear_event());
+        let good = Batch::encode(&payload).unwrap().bytes().to_vec();
+        for cut in 0..good.len() {
+            assert!(matches!(
+                Batch::from_vec(good[..cut].to_vec()),
+                Err(Error::CorruptBatch(_))
+            ));
+        }
+        for at in 0..good.len() {
+            let mut bad = good.clone();
+            bad[at] ^= 0x40;
+            assert!(
+                matches!(Batch::from_vec(bad), Err(Error::CorruptBatch(_))),
+                "flip at {at}"
+            );
+        }
+    }
+
+    #[test]
+    fn gather_keeps_bytes_and_identities() {
+        let mut payload = vec![0x91];
+        payload.extend(clear_event());
+        let a = Batch::encode(&payload).unwrap();
+        let g = Batch::gather([(&a, 0), (&a, 0)].into_iter());
+        assert_eq!(g.len(), 2);
+        assert_eq!(g.identity(1), a.identity(0));
+        assert_eq!(g.event_bytes(1), a.event_bytes(0));
+    }
+
+    #[test]
+    fn rejects_events_of_the_wrong_shape() {
+        // [{"type": "Nope"}]
+        let mut payload = vec![0x91, 0x81, 0xa4];
+        payload.extend_from_slice(b"type");
+        payload.push(0xa4);
+        payload.extend_from_slice(b"Nope");
+        assert!(matches!(
+            Batch::encode(&payload),
+            Err(Error::InvalidEvent { index: 0, .. })
+        ));
+        assert!(matches!(
+            Batch::encode(&[0x05]),
+            Err(Error::InvalidEvents(_))
+        ));
+    }
+}

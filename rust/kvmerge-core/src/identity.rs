@@ -1,0 +1,49 @@
+//! An event's identity: 128 bits of BLAKE3 over its canonical encoding.
+//! docs/merge-rules.md ("Identity") says why 128 bits of a cryptographic
+//! hash stand in for comparing the bytes.
+
+use std::hash::{BuildHasherDefault, Hash, Hasher};
+
+/// Fixed-size key the merger compares instead of events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Identity(pub [u8; 16]);
+
+impl Identity {
+    pub fn of(event_bytes: &[u8]) -> Identity {
+        let digest = blake3::hash(event_bytes);
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&digest.as_bytes()[..16]);
+        Identity(out)
+    }
+}
+
+impl Hash for Identity {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // Already uniformly distributed: eight of its bytes are a fine hash.
+        state.write_u64(u64::from_le_bytes(self.0[..8].try_into().expect("8 bytes")));
+    }
+}
+
+/// Passes an `Identity`'s own bits through instead of hashing them again.
+#[derive(Default, Clone, Copy)]
+pub struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached by keys other than `Identity`; FNV-1a keeps it correct.
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+pub type IdentityMap<V> = std::collections::HashMap<Identity, V, BuildHasherDefault<PassThrough>>;
+pub type IdentitySet = std::collections::HashSet<Identity, BuildHasherDefault<PassThrough>>;

@@ -1,0 +1,218 @@
+//! The merger: per-rank queues of pending reports, and one `finish_step`
+//! that applies the rule. The rules themselves are in `segment` ("all",
+//! "quorum"), `union` ("any") and `fast` (every rank said the same thing).
+
+mod config;
+mod fast;
+mod segment;
+mod slots;
+mod stats;
+mod union;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+pub use config::{MergerConfig, Rule};
+pub use stats::Stats;
+
+use crate::batch::Batch;
+use crate::error::{Error, Result};
+use crate::identity::Identity;
+use crate::schema::EventKind;
+use slots::Slots;
+
+/// One event in one rank's batch, waiting for the other ranks.
+#[derive(Debug, Clone, Copy)]
+struct Report {
+    identity: Identity,
+    step: u64,
+    slot: u32,
+    idx: u32,
+    /// Replication factor under "quorum" (1 for everything else).
+    factor: u32,
+    clear: bool,
+}
+
+/// Where a report stands among all reports: `(step, index, rank)`.
+type Position = (u64, u32, u32);
+
+/// A published event: which batch slot and which event in it.
+#[derive(Debug, Clone, Copy)]
+struct Publication {
+    slot: u32,
+    idx: u32,
+}
+
+pub struct Merger {
+    cfg: MergerConfig,
+    step: u64,
+    incoming: Vec<Option<Arc<Batch>>>,
+    queues: Vec<VecDeque<Report>>,
+    slots: Slots,
+    stats: Stats,
+    scratch: segment::Scratch,
+}
+
+impl Merger {
+    pub fn new(cfg: MergerConfig) -> Result<Merger> {
+        cfg.validate()?;
+        let w = cfg.world_size;
+        Ok(Merger {
+            cfg,
+            step: 0,
+            incoming: vec![None; w],
+            queues: vec![VecDeque::new(); w],
+            slots: Slots::default(),
+            stats: Stats::default(),
+            scratch: segment::Scratch::default(),
+        })
+    }
+
+    pub fn config(&self) -> &MergerConfig {
+        &self.cfg
+    }
+
+    /// The step now being collected, counted from 0.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub fn stats(&self) -> Stats {
+        let queued: usize = self.queues.iter().map(VecDeque::len).sum();
+        let incoming: usize = self.incoming.iter().flatten().map(|b| b.len()).sum();
+        Stats {
+            pending: (queued + incoming) as u64,
+            ..self.stats
+        }
+    }
+
+    /// Records `rank`'s batch for this step. Checks everything first, so a
+    /// rejected call changes nothing.
+    pub fn add(&mut self, rank: i64, batch: Arc<Batch>) -> Result<()> {
+        let world_size = self.cfg.world_size;
+        let r = usize::try_from(rank)
+            .ok()
+            .filter(|&r| r < world_size)
+            .ok_or(Error::RankOutOfRange { rank, world_size })?;
+        if self.incoming[r].is_some() {
+            return Err(Error::DuplicateRank {
+                rank: r,
+                step: self.step,
+            });
+        }
+        if let (Rule::Quorum, Some(factors)) = (self.cfg.rule, &self.cfg.replication_factors) {
+            for i in 0..batch.len() {
+                let rec = batch.record(i);
+                if let (EventKind::BlockStored, Some(g)) = (rec.kind, rec.group_idx) {
+                    if usize::try_from(g).map_or(true, |g| g >= factors.len()) {
+                        return Err(Error::GroupOutOfRange {
+                            index: i,
+                            group: g,
+                            n_factors: factors.len(),
+                        });
+                    }
+                }
+            }
+        }
+        self.stats.batches += 1;
+        self.stats.reports += batch.len() as u64;
+        self.incoming[r] = Some(batch);
+        Ok(())
+    }
+
+    /// Closes the step: returns the events that became complete, as one
+    /// batch, in publication order.
+    pub fn finish_step(&mut self) -> Arc<Batch> {
+        self.finish_step_with(true)
+    }
+
+    /// `finish_step` without the shortcut for identical reports, so tests can
+    /// check that the shortcut changes nothing.
+    #[doc(hidden)]
+    pub fn finish_step_general(&mut self) -> Arc<Batch> {
+        self.finish_step_with(false)
+    }
+
+    fn finish_step_with(&mut self, shortcut: bool) -> Arc<Batch> {
+        let out = match self.cfg.rule {
+            Rule::Any => union::finish(self),
+            Rule::All | Rule::Quorum => {
+                if shortcut && fast::applies(self) {
+                    fast::finish(self)
+                } else {
+                    self.enqueue_incoming();
+                    let out = segment::finish(self);
+                    self.expire();
+                    out
+                }
+            }
+        };
+        self.incoming.iter_mut().for_each(|b| *b = None);
+        self.step += 1;
+        self.stats.steps += 1;
+        self.stats.published += out.len() as u64;
+        out
+    }
+
+    /// Drops every pending report and this step's batches; they count as
+    /// cleared. Counters and the step number stay.
+    pub fn reset(&mut self) {
+        let dropped = self.stats().pending;
+        self.stats.cleared += dropped;
+        self.incoming.iter_mut().for_each(|b| *b = None);
+        self.queues.iter_mut().for_each(VecDeque::clear);
+        self.slots = Slots::default();
+    }
+
+    fn factor_of(&self, batch: &Batch, i: usize) -> u32 {
+        let rec = batch.record(i);
+        match (&self.cfg.replication_factors, rec.kind, rec.group_idx) {
+            (Some(factors), EventKind::BlockStored, Some(g)) => factors[g as usize],
+            _ => 1,
+        }
+    }
+
+    fn enqueue_incoming(&mut self) {
+        for rank in 0..self.cfg.world_size {
+            let Some(batch) = self.incoming[rank].take() else {
+                continue;
+            };
+            if batch.is_empty() {
+                continue;
+            }
+            let slot = self.slots.insert(batch.clone(), batch.len() as u32);
+            for i in 0..batch.len() {
+                let report = Report {
+                    identity: batch.identity(i),
+                    step: self.step,
+                    slot,
+                    idx: i as u32,
+                    factor: self.factor_of(&batch, i),
+                    clear: batch.kind(i) == EventKind::AllBlocksCleared,
+                };
+                self.queues[rank].push_back(report);
+            }
+        }
+    }
+
+    fn expire(&mut self) {
+        let horizon = self.cfg.max_pending_steps;
+        for q in &mut self.queues {
+            while q.front().is_some_and(|r| r.step + horizon <= self.step) {
+                let r = q.pop_front().expect("front exists");
+                self.slots.release(r.slot);
+                self.stats.expired += 1;
+            }
+        }
+    }
+
+    fn gather(&self, pubs: &[Publication]) -> Batch {
+        Batch::gather(
+            pubs.iter()
+                .map(|p| (self.slots.get(p.slot), p.idx as usize)),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

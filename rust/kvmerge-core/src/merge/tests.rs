@@ -1,0 +1,304 @@
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::testing::{batch, clear, removed, stored, Ev};
+
+fn merger(w: usize, rule: Rule, factors: Option<Vec<u32>>, pending: u64) -> Merger {
+    Merger::new(MergerConfig {
+        world_size: w,
+        rule,
+        replication_factors: factors,
+        max_pending_steps: pending,
+    })
+    .unwrap()
+}
+
+fn ids(b: &Batch) -> Vec<Identity> {
+    b.identities().collect()
+}
+
+fn ids_of(events: &[Ev]) -> Vec<Identity> {
+    ids(&batch(events))
+}
+
+#[test]
+fn identical_reports_publish_the_sequence() {
+    let seq = vec![
+        stored(1, None),
+        removed(2),
+        clear(),
+        stored(1, None),
+        stored(1, None),
+    ];
+    for rule in [Rule::All, Rule::Quorum] {
+        let factors = (rule == Rule::Quorum).then(|| vec![1]);
+        let mut m = merger(4, rule, factors, 2);
+        for r in 0..4 {
+            m.add(r, Arc::new(batch(&seq))).unwrap();
+        }
+        let out = m.finish_step();
+        let want = match rule {
+            Rule::All => ids_of(&seq),
+            _ => ids_of(&[stored(1, None), removed(2), clear(), stored(1, None)]),
+        };
+        assert_eq!(ids(&out), want, "{rule:?}");
+        assert_eq!(m.stats().pending, 0);
+    }
+}
+
+#[test]
+fn late_rank_completes_next_step_and_expiry_counts() {
+    let mut m = merger(2, Rule::All, None, 1);
+    m.add(0, Arc::new(batch(&[removed(1), removed(2)])))
+        .unwrap();
+    m.add(1, Arc::new(batch(&[removed(2)]))).unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&[removed(2)]));
+    m.add(1, Arc::new(batch(&[removed(1)]))).unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&[removed(1)]));
+    // Rank 1 never sends 3: it expires after one extra step.
+    m.add(0, Arc::new(batch(&[removed(3)]))).unwrap();
+    assert!(m.finish_step().is_empty());
+    assert_eq!(m.stats().pending, 1);
+    assert!(m.finish_step().is_empty());
+    let s = m.stats();
+    assert_eq!((s.pending, s.expired), (0, 1));
+    assert_eq!(m.slots.live(), 0, "expired batches are dropped");
+}
+
+#[test]
+fn own_duplicate_never_stands_in_for_another_rank() {
+    let mut m = merger(2, Rule::All, None, 0);
+    m.add(0, Arc::new(batch(&[removed(1), removed(1)])))
+        .unwrap();
+    m.add(1, Arc::new(Batch::empty())).unwrap();
+    assert!(m.finish_step().is_empty());
+    let mut q = merger(2, Rule::Quorum, Some(vec![1]), 0);
+    q.add(0, Arc::new(batch(&[removed(1), removed(1)])))
+        .unwrap();
+    assert!(q.finish_step().is_empty());
+}
+
+#[test]
+fn quorum_uses_group_factors() {
+    // world 4, group 1 replicated on 2 ranks: 2 distinct reports suffice.
+    let mut m = merger(4, Rule::Quorum, Some(vec![1, 2]), 4);
+    m.add(
+        0,
+        Arc::new(batch(&[stored(7, Some(1)), stored(8, Some(0))])),
+    )
+    .unwrap();
+    m.add(
+        3,
+        Arc::new(batch(&[stored(7, Some(1)), stored(8, Some(0))])),
+    )
+    .unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&[stored(7, Some(1))]));
+    assert_eq!(m.stats().pending, 2);
+}
+
+#[test]
+fn clear_discards_what_came_before_it() {
+    let mut m = merger(2, Rule::All, None, 8);
+    m.add(0, Arc::new(batch(&[removed(1), clear(), removed(2)])))
+        .unwrap();
+    m.add(1, Arc::new(batch(&[clear(), removed(2), removed(1)])))
+        .unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&[clear(), removed(2)]));
+    let s = m.stats();
+    assert_eq!((s.cleared, s.pending), (1, 1));
+}
+
+#[test]
+fn rejected_calls_change_nothing() {
+    let mut m = merger(2, Rule::Quorum, Some(vec![1]), 3);
+    assert!(matches!(
+        m.add(2, Arc::new(Batch::empty())),
+        Err(Error::RankOutOfRange { .. })
+    ));
+    assert!(matches!(
+        m.add(-1, Arc::new(Batch::empty())),
+        Err(Error::RankOutOfRange { .. })
+    ));
+    let bad = Arc::new(batch(&[removed(1), stored(3, Some(1))]));
+    assert!(matches!(
+        m.add(0, bad),
+        Err(Error::GroupOutOfRange {
+            index: 1,
+            group: 1,
+            ..
+        })
+    ));
+    m.add(0, Arc::new(batch(&[removed(1)]))).unwrap();
+    assert!(matches!(
+        m.add(0, Arc::new(Batch::empty())),
+        Err(Error::DuplicateRank { .. })
+    ));
+    m.add(1, Arc::new(batch(&[removed(1)]))).unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&[removed(1)]));
+    assert_eq!(m.stats().batches, 2);
+}
+
+#[test]
+fn config_is_checked() {
+    let bad = [
+        MergerConfig::new(0, Rule::All),
+        MergerConfig::new(2, Rule::Quorum),
+        MergerConfig {
+            replication_factors: Some(vec![1, 0]),
+            ..MergerConfig::new(2, Rule::Quorum)
+        },
+        MergerConfig {
+            replication_factors: Some(vec![1]),
+            ..MergerConfig::new(2, Rule::Any)
+        },
+    ];
+    for cfg in bad {
+        assert!(matches!(Merger::new(cfg), Err(Error::Config(_))));
+    }
+    assert!(matches!("most".parse::<Rule>(), Err(Error::Config(_))));
+}
+
+#[test]
+fn any_is_an_ordered_union() {
+    let mut m = merger(2, Rule::Any, None, 0);
+    m.add(0, Arc::new(batch(&[removed(1), removed(2), removed(1)])))
+        .unwrap();
+    m.add(1, Arc::new(batch(&[removed(3), removed(2)])))
+        .unwrap();
+    assert_eq!(
+        ids(&m.finish_step()),
+        ids_of(&[removed(1), removed(3), removed(2)])
+    );
+    m.add(1, Arc::new(batch(&[removed(1)]))).unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&[removed(1)]));
+}
+
+/// Same-step multiset intersection, the rule without pending state or
+/// clears, written the obvious way.
+fn intersection(reports: &[Option<Vec<u8>>], w: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    let Some(Some(first)) = reports.first() else {
+        return out;
+    };
+    if reports.iter().filter(|r| r.is_some()).count() < w {
+        return out;
+    }
+    let mut counts: Vec<std::collections::HashMap<u8, usize>> = reports
+        .iter()
+        .map(|r| {
+            let mut c = std::collections::HashMap::new();
+            for &e in r.as_ref().unwrap() {
+                *c.entry(e).or_insert(0) += 1;
+            }
+            c
+        })
+        .collect();
+    // Order by position: the j-th copy completes at the greatest
+    // (index, rank) of the ranks' j-th reports.
+    let mut pubs: Vec<((usize, usize), u8)> = Vec::new();
+    for &e in first {
+        let m = counts
+            .iter()
+            .map(|c| c.get(&e).copied().unwrap_or(0))
+            .min()
+            .unwrap();
+        if m == 0 || counts[0][&e] == usize::MAX {
+            continue;
+        }
+        for j in 0..m {
+            let at = reports
+                .iter()
+                .enumerate()
+                .map(|(rank, r)| {
+                    let r = r.as_ref().unwrap();
+                    let at = r
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &x)| x == e)
+                        .nth(j)
+                        .unwrap()
+                        .0;
+                    (at, rank)
+                })
+                .max()
+                .unwrap();
+            pubs.push((at, e));
+        }
+        for c in &mut counts {
+            c.insert(e, usize::MAX);
+        }
+    }
+    pubs.sort();
+    out.extend(pubs.into_iter().map(|(_, e)| e));
+    out
+}
+
+fn step_reports(w: usize) -> impl Strategy<Value = Vec<Option<Vec<u8>>>> {
+    prop::collection::vec(
+        prop::option::weighted(0.9, prop::collection::vec(0u8..6, 0..8)),
+        w..=w,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn all_matches_multiset_intersection(reports in step_reports(3)) {
+        let mut m = merger(3, Rule::All, None, 0);
+        for (r, evs) in reports.iter().enumerate() {
+            if let Some(evs) = evs {
+                let evs: Vec<Ev> = evs.iter().map(|&h| removed(h)).collect();
+                m.add(r as i64, Arc::new(batch(&evs))).unwrap();
+            }
+        }
+        let want: Vec<Ev> = intersection(&reports, 3).into_iter().map(removed).collect();
+        prop_assert_eq!(ids(&m.finish_step()), ids_of(&want));
+        prop_assert_eq!(m.stats().pending, 0);
+    }
+
+    /// The shortcut, the rank order of `add` and the counters never change
+    /// what the general rules say.
+    #[test]
+    fn shortcut_and_add_order_change_nothing(
+        steps in prop::collection::vec(step_reports(4), 1..6),
+        identical in prop::collection::vec(any::<bool>(), 6),
+        rule in prop_oneof![Just(Rule::All), Just(Rule::Quorum), Just(Rule::Any)],
+        pending in 0u64..3,
+        seed in any::<u64>(),
+    ) {
+        let factors = (rule == Rule::Quorum).then(|| vec![1, 2]);
+        let mut a = merger(4, rule, factors.clone(), pending);
+        let mut b = merger(4, rule, factors, pending);
+        for (s, reports) in steps.iter().enumerate() {
+            let mut batches: Vec<(i64, Arc<Batch>)> = Vec::new();
+            for (r, evs) in reports.iter().enumerate() {
+                let evs = if identical[s] { &reports[0] } else { evs };
+                if let Some(evs) = evs {
+                    let evs: Vec<Ev> = evs.iter().map(|&h| match h {
+                        0 => clear(),
+                        1 => stored(1, Some(1)),
+                        h => removed(h),
+                    }).collect();
+                    batches.push((r as i64, Arc::new(batch(&evs))));
+                }
+            }
+            for (r, b_) in &batches {
+                a.add(*r, b_.clone()).unwrap();
+            }
+            let n = batches.len();
+            for k in 0..n {
+                let (r, b_) = &batches[(k + seed as usize) % n];
+                b.add(*r, b_.clone()).unwrap();
+            }
+            let (x, y) = (a.finish_step(), b.finish_step_general());
+            prop_assert_eq!(ids(&x), ids(&y));
+            prop_assert_eq!(x.payload(), y.payload());
+            let (sa, sb) = (a.stats(), b.stats());
+            prop_assert_eq!(sa, sb);
+            prop_assert_eq!(sa.reports, sa.consumed + sa.cleared + sa.expired + sa.pending);
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! Rule "any": the ordered union of one step's reports (docs/merge-rules.md).
+
+use std::sync::Arc;
+
+use super::Merger;
+use crate::batch::Batch;
+use crate::identity::IdentitySet;
+use crate::schema::EventKind;
+
+pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
+    let batches: Vec<&Arc<Batch>> = m.incoming.iter().flatten().collect();
+    let total: usize = batches.iter().map(|b| b.len()).sum();
+    m.stats.consumed += total as u64;
+    let Some(&first) = batches.first() else {
+        return Arc::new(Batch::empty());
+    };
+    // Identical reports collapse onto the first rank's: walk that one alone.
+    let walk: Vec<&Arc<Batch>> = if batches.iter().all(|b| b.identity_column_eq(first)) {
+        vec![first]
+    } else {
+        batches
+    };
+    let longest = walk.iter().map(|b| b.len()).max().unwrap_or(0);
+    let mut seen = IdentitySet::default();
+    let mut cleared = false;
+    let mut out: Vec<(&Batch, usize)> = Vec::new();
+    for i in 0..longest {
+        for b in walk.iter().filter(|b| i < b.len()) {
+            let publish = if b.kind(i) == EventKind::AllBlocksCleared {
+                let first_clear = !cleared;
+                if first_clear {
+                    cleared = true;
+                    seen.clear();
+                }
+                first_clear
+            } else {
+                seen.insert(b.identity(i))
+            };
+            if publish {
+                out.push((b, i));
+            }
+        }
+    }
+    if walk.len() == 1 && out.len() == first.len() {
+        return first.clone();
+    }
+    Arc::new(Batch::gather(out.into_iter()))
+}

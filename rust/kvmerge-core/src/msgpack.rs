@@ -1,0 +1,366 @@
+//! A minimal, allocation-free msgpack reader: just enough to validate vLLM's
+//! event encoding and to find each event's byte span. Every read is
+//! bounds-checked, and nesting is limited, so arbitrary bytes cannot panic
+//! or overflow the stack.
+
+use std::fmt;
+
+/// Deeper nesting than this is rejected; vLLM events nest at most 4 levels.
+pub const MAX_DEPTH: usize = 32;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadError {
+    Eof {
+        at: usize,
+    },
+    Unexpected {
+        at: usize,
+        expected: &'static str,
+        found: Marker,
+    },
+    TooDeep {
+        at: usize,
+    },
+    InvalidUtf8 {
+        at: usize,
+    },
+}
+
+impl fmt::Display for ReadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadError::Eof { at } => write!(f, "unexpected end of data at byte {at}"),
+            ReadError::Unexpected {
+                at,
+                expected,
+                found,
+            } => write!(f, "expected {expected} at byte {at}, found {found}"),
+            ReadError::TooDeep { at } => {
+                write!(f, "nesting deeper than {MAX_DEPTH} at byte {at}")
+            }
+            ReadError::InvalidUtf8 { at } => write!(f, "invalid UTF-8 string at byte {at}"),
+        }
+    }
+}
+
+/// The family of a msgpack value, as told by its first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marker {
+    Nil,
+    Bool,
+    Int,
+    Float,
+    Str,
+    Bin,
+    Array,
+    Map,
+    Ext,
+    Reserved,
+}
+
+impl Marker {
+    pub fn of(byte: u8) -> Marker {
+        match byte {
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => Marker::Int,
+            0x80..=0x8f | 0xde | 0xdf => Marker::Map,
+            0x90..=0x9f | 0xdc | 0xdd => Marker::Array,
+            0xa0..=0xbf | 0xd9..=0xdb => Marker::Str,
+            0xc0 => Marker::Nil,
+            0xc2 | 0xc3 => Marker::Bool,
+            0xc4..=0xc6 => Marker::Bin,
+            0xca | 0xcb => Marker::Float,
+            0xc7..=0xc9 | 0xd4..=0xd8 => Marker::Ext,
+            0xc1 => Marker::Reserved,
+        }
+    }
+}
+
+impl fmt::Display for Marker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self {
+            Marker::Nil => "nil",
+            Marker::Bool => "bool",
+            Marker::Int => "int",
+            Marker::Float => "float",
+            Marker::Str => "str",
+            Marker::Bin => "bytes",
+            Marker::Array => "array",
+            Marker::Map => "map",
+            Marker::Ext => "ext",
+            Marker::Reserved => "reserved byte 0xc1",
+        };
+        f.write_str(name)
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ReadError>;
+
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pos >= self.buf.len()
+    }
+
+    pub fn peek(&self) -> Result<Marker> {
+        self.buf
+            .get(self.pos)
+            .map(|&b| Marker::of(b))
+            .ok_or(ReadError::Eof { at: self.pos })
+    }
+
+    fn byte(&mut self) -> Result<u8> {
+        let b = *self
+            .buf
+            .get(self.pos)
+            .ok_or(ReadError::Eof { at: self.pos })?;
+        self.pos += 1;
+        Ok(b)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&end| end <= self.buf.len())
+            .ok_or(ReadError::Eof { at: self.buf.len() })?;
+        let out = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+
+    fn be(&mut self, n: usize) -> Result<u64> {
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | b as u64))
+    }
+
+    fn unexpected(&self, at: usize, expected: &'static str, byte: u8) -> ReadError {
+        ReadError::Unexpected {
+            at,
+            expected,
+            found: Marker::of(byte),
+        }
+    }
+
+    pub fn read_array_len(&mut self) -> Result<usize> {
+        let at = self.pos;
+        match self.byte()? {
+            b @ 0x90..=0x9f => Ok((b & 0x0f) as usize),
+            0xdc => Ok(self.be(2)? as usize),
+            0xdd => Ok(self.be(4)? as usize),
+            b => Err(self.unexpected(at, "array", b)),
+        }
+    }
+
+    pub fn read_map_len(&mut self) -> Result<usize> {
+        let at = self.pos;
+        match self.byte()? {
+            b @ 0x80..=0x8f => Ok((b & 0x0f) as usize),
+            0xde => Ok(self.be(2)? as usize),
+            0xdf => Ok(self.be(4)? as usize),
+            b => Err(self.unexpected(at, "map", b)),
+        }
+    }
+
+    pub fn read_str(&mut self) -> Result<&'a str> {
+        let at = self.pos;
+        let len = match self.byte()? {
+            b @ 0xa0..=0xbf => (b & 0x1f) as usize,
+            0xd9 => self.be(1)? as usize,
+            0xda => self.be(2)? as usize,
+            0xdb => self.be(4)? as usize,
+            b => return Err(self.unexpected(at, "str", b)),
+        };
+        std::str::from_utf8(self.take(len)?).map_err(|_| ReadError::InvalidUtf8 { at })
+    }
+
+    pub fn read_bin(&mut self) -> Result<&'a [u8]> {
+        let at = self.pos;
+        let len = match self.byte()? {
+            0xc4 => self.be(1)? as usize,
+            0xc5 => self.be(2)? as usize,
+            0xc6 => self.be(4)? as usize,
+            b => return Err(self.unexpected(at, "bytes", b)),
+        };
+        self.take(len)
+    }
+
+    /// Reads an integer; the value is returned as i128 so both i64 and u64
+    /// ranges fit.
+    pub fn read_int(&mut self) -> Result<i128> {
+        let at = self.pos;
+        Ok(match self.byte()? {
+            b @ 0x00..=0x7f => b as i128,
+            b @ 0xe0..=0xff => (b as i8) as i128,
+            0xcc => self.be(1)? as i128,
+            0xcd => self.be(2)? as i128,
+            0xce => self.be(4)? as i128,
+            0xcf => self.be(8)? as i128,
+            0xd0 => (self.be(1)? as u8 as i8) as i128,
+            0xd1 => (self.be(2)? as u16 as i16) as i128,
+            0xd2 => (self.be(4)? as u32 as i32) as i128,
+            0xd3 => (self.be(8)? as i64) as i128,
+            b => return Err(self.unexpected(at, "int", b)),
+        })
+    }
+
+    pub fn read_nil(&mut self) -> Result<()> {
+        let at = self.pos;
+        match self.byte()? {
+            0xc0 => Ok(()),
+            b => Err(self.unexpected(at, "nil", b)),
+        }
+    }
+
+    /// Skips one complete value of any type, checking it is well formed.
+    pub fn skip_value(&mut self) -> Result<()> {
+        // Iterative: `remaining` counts values still to skip at each level,
+        // so hostile nesting costs heap, never stack.
+        let mut remaining: Vec<usize> = vec![1];
+        while let Some(top) = remaining.last_mut() {
+            if *top == 0 {
+                remaining.pop();
+                continue;
+            }
+            *top -= 1;
+            let at = self.pos;
+            let b = self.byte()?;
+            let children = match b {
+                0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => 0,
+                0x80..=0x8f => 2 * (b & 0x0f) as usize,
+                0x90..=0x9f => (b & 0x0f) as usize,
+                0xa0..=0xbf => {
+                    self.pos = at;
+                    self.read_str()?;
+                    0
+                }
+                0xd9..=0xdb => {
+                    self.pos = at;
+                    self.read_str()?;
+                    0
+                }
+                0xc4 => self.skip_len(1, 0)?,
+                0xc5 => self.skip_len(2, 0)?,
+                0xc6 => self.skip_len(4, 0)?,
+                0xc7 => self.skip_len(1, 1)?,
+                0xc8 => self.skip_len(2, 1)?,
+                0xc9 => self.skip_len(4, 1)?,
+                0xca => self.skip_fixed(4)?,
+                0xcb => self.skip_fixed(8)?,
+                0xcc | 0xd0 => self.skip_fixed(1)?,
+                0xcd | 0xd1 => self.skip_fixed(2)?,
+                0xce | 0xd2 => self.skip_fixed(4)?,
+                0xcf | 0xd3 => self.skip_fixed(8)?,
+                0xd4 => self.skip_fixed(2)?,
+                0xd5 => self.skip_fixed(3)?,
+                0xd6 => self.skip_fixed(5)?,
+                0xd7 => self.skip_fixed(9)?,
+                0xd8 => self.skip_fixed(17)?,
+                0xdc => self.be(2)? as usize,
+                0xdd => self.be(4)? as usize,
+                0xde => 2 * self.be(2)? as usize,
+                0xdf => 2 * self.be(4)? as usize,
+                0xc1 => return Err(self.unexpected(at, "a msgpack value", b)),
+            };
+            if children > 0 {
+                if remaining.len() > MAX_DEPTH {
+                    return Err(ReadError::TooDeep { at });
+                }
+                // Each child needs at least one byte: reject impossible counts
+                // before they can make us loop for long.
+                if children > self.buf.len() - self.pos {
+                    return Err(ReadError::Eof { at: self.buf.len() });
+                }
+                remaining.push(children);
+            }
+        }
+        Ok(())
+    }
+
+    fn skip_fixed(&mut self, n: usize) -> Result<usize> {
+        self.take(n)?;
+        Ok(0)
+    }
+
+    fn skip_len(&mut self, len_bytes: usize, extra: usize) -> Result<usize> {
+        let len = self.be(len_bytes)? as usize;
+        self.take(len.saturating_add(extra))?;
+        Ok(0)
+    }
+}
+
+/// Writes a msgpack array header for `n` elements.
+pub fn write_array_header(out: &mut Vec<u8>, n: usize) {
+    if n < 16 {
+        out.push(0x90 | n as u8);
+    } else if n <= u16::MAX as usize {
+        out.push(0xdc);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        out.push(0xdd);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_ints_across_widths() {
+        let cases: &[(&[u8], i128)] = &[
+            (&[0x05], 5),
+            (&[0xff], -1),
+            (&[0xcc, 0xff], 255),
+            (
+                &[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
+                u64::MAX as i128,
+            ),
+            (&[0xd3, 0x80, 0, 0, 0, 0, 0, 0, 0], i64::MIN as i128),
+            (&[0xd0, 0x80], -128),
+        ];
+        for (bytes, want) in cases {
+            assert_eq!(Reader::new(bytes).read_int().unwrap(), *want);
+        }
+    }
+
+    #[test]
+    fn skip_rejects_truncation_and_deep_nesting() {
+        assert!(Reader::new(&[0x92, 0x01]).skip_value().is_err());
+        assert!(Reader::new(&[0xdd, 0xff, 0xff, 0xff, 0xff])
+            .skip_value()
+            .is_err());
+        let deep = vec![0x91u8; 100];
+        assert!(matches!(
+            Reader::new(&deep).skip_value(),
+            Err(ReadError::TooDeep { .. }) | Err(ReadError::Eof { .. })
+        ));
+        let mut nested = vec![0x91u8; 10];
+        nested.push(0xc0);
+        let mut r = Reader::new(&nested);
+        r.skip_value().unwrap();
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn array_header_round_trips() {
+        for n in [0usize, 15, 16, 65535, 65536] {
+            let mut out = Vec::new();
+            write_array_header(&mut out, n);
+            assert_eq!(Reader::new(&out).read_array_len().unwrap(), n);
+        }
+    }
+}

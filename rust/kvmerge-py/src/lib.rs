@@ -1,0 +1,27 @@
+//! Python bindings of kvmerge-core: a thin layer that extracts Rust values,
+//! releases the GIL for the core's work, and maps errors to one exception
+//! hierarchy.
+
+mod batch;
+mod errors;
+mod gil;
+mod merger;
+mod schema;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KVMergeError", py.get_type::<errors::KVMergeError>())?;
+    m.add("CorruptBatchError", errors::corrupt_batch_error(py)?)?;
+    m.add("InvalidEventError", errors::invalid_event_error(py)?)?;
+    m.add("ConfigError", errors::config_error(py)?)?;
+    m.add("RankError", errors::rank_error(py)?)?;
+    m.add("GroupError", errors::group_error(py)?)?;
+    m.add_class::<batch::PyEventBatch>()?;
+    m.add_class::<merger::PyMerger>()?;
+    m.add_class::<merger::PyMergerStats>()?;
+    m.add_function(wrap_pyfunction!(batch::encode, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,29 @@
+//! The Python side of the event schema, imported once: vLLM's event classes
+//! and msgspec's encoder and decoder (see `kvmerge/_schema.py`).
+
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyTuple;
+
+pub struct Schema {
+    pub event_types: Py<PyTuple>,
+    pub encoder: Py<PyAny>,
+    pub decoder: Py<PyAny>,
+    pub raw: Py<PyAny>,
+    pub decode_error: Py<PyAny>,
+}
+
+static SCHEMA: PyOnceLock<Schema> = PyOnceLock::new();
+
+pub fn schema(py: Python<'_>) -> PyResult<&Schema> {
+    SCHEMA.get_or_try_init(py, || {
+        let m = py.import("kvmerge._schema")?;
+        Ok(Schema {
+            event_types: m.getattr("EVENT_TYPES")?.cast_into::<PyTuple>()?.unbind(),
+            encoder: m.getattr("ENCODER")?.unbind(),
+            decoder: m.getattr("DECODER")?.unbind(),
+            raw: m.getattr("Raw")?.unbind(),
+            decode_error: m.getattr("DecodeError")?.unbind(),
+        })
+    })
+}
