@@ -6,8 +6,21 @@ from typing import Any, Literal, final
 import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-KVCacheEventT = BlockStored | BlockRemoved | AllBlocksCleared
-Rule = Literal["all", "quorum", "any"]
+__all__ = [
+    "ConfigError",
+    "CorruptBatchError",
+    "EventBatch",
+    "GroupError",
+    "InvalidEventError",
+    "KVMergeError",
+    "Merger",
+    "MergerStats",
+    "RankError",
+    "encode",
+]
+
+_Event = BlockStored | BlockRemoved | AllBlocksCleared
+_Rule = Literal["all", "quorum", "any"]
 
 class KVMergeError(Exception):
     """Base of every error kvmerge raises."""
@@ -41,7 +54,7 @@ class EventBatch:
 
     @staticmethod
     def empty() -> EventBatch: ...
-    def decode(self) -> list[KVCacheEventT]:
+    def decode(self) -> list[_Event]:
         """The events, equal to the encoded ones, in order."""
 
     def raw(self) -> list[msgspec.Raw]:
@@ -54,7 +67,6 @@ class EventBatch:
     def nbytes(self) -> int: ...
     def __len__(self) -> int: ...
     def __bytes__(self) -> bytes: ...
-    def __buffer__(self, flags: int, /) -> memoryview: ...
     def __reduce_ex__(self, protocol: Any, /) -> tuple[Any, ...]: ...
 
 @final
@@ -73,17 +85,17 @@ class MergerStats:
 class Merger:
     """Merges per-rank event batches into events published once."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         world_size: int,
-        rule: Rule = "all",
+        rule: _Rule = "all",
         replication_factors: Sequence[int] | None = None,
         max_pending_steps: int = 32,
-    ) -> None: ...
+    ) -> Merger: ...
     @property
     def world_size(self) -> int: ...
     @property
-    def rule(self) -> Rule: ...
+    def rule(self) -> _Rule: ...
     @property
     def replication_factors(self) -> list[int] | None: ...
     @property
@@ -93,12 +105,12 @@ class Merger:
         """The number of the step now being collected."""
 
     def add(self, rank: int, batch: EventBatch) -> None: ...
-    def finish_step(self) -> list[KVCacheEventT]: ...
+    def finish_step(self) -> list[_Event]: ...
     def finish_step_raw(self) -> list[msgspec.Raw]: ...
     def finish_step_batch(self) -> EventBatch: ...
     def stats(self) -> MergerStats: ...
     def reset(self) -> None:
         """Drop every pending report and the current step's batches (counters stay)."""
 
-def encode(events: Sequence[KVCacheEventT]) -> EventBatch:
+def encode(events: Sequence[_Event]) -> EventBatch:
     """Encode vLLM KV cache events into a batch (identities computed here)."""

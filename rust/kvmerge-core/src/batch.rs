@@ -99,6 +99,19 @@ impl Batch {
         Batch::from_backing(Box::new(bytes))
     }
 
+    /// For bytes this module just wrote: validating them again would read
+    /// the whole buffer a second time.
+    fn from_own_vec(bytes: Vec<u8>, n_events: usize) -> Batch {
+        debug_assert_eq!(validate(&bytes), Ok(n_events));
+        let (ptr, nbytes) = (bytes.as_ptr(), bytes.len());
+        Batch {
+            _owner: Box::new(bytes),
+            ptr,
+            nbytes,
+            n_events,
+        }
+    }
+
     /// Builds a batch from msgspec's encoding of a list of vLLM events,
     /// checking every event's shape and computing its identity.
     pub fn encode(payload: &[u8]) -> Result<Batch> {
@@ -130,7 +143,7 @@ impl Batch {
         }
         out.extend_from_slice(payload);
         finish_header(&mut out, n, payload.len())?;
-        Batch::from_vec(out)
+        Ok(Batch::from_own_vec(out, n))
     }
 
     /// A new batch holding the given events of other batches, in order.
@@ -160,7 +173,7 @@ impl Batch {
             out.extend_from_slice(batch.event_bytes(i));
         }
         finish_header(&mut out, n, payload_len).expect("gathered batches fit their own limits");
-        Batch::from_vec(out).expect("a gathered batch is valid")
+        Batch::from_own_vec(out, n)
     }
 
     pub fn empty() -> Batch {

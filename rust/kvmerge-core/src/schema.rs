@@ -200,16 +200,20 @@ pub fn read_event(r: &mut Reader<'_>) -> Result<EventInfo, SchemaError> {
     let schema = fields(kind);
     let mut seen: u32 = 0;
     let mut group_idx = None;
+    let mut next = 0;
     for _ in 1..n {
         let name = r.read_str()?;
-        let (i, field) = schema
-            .iter()
-            .enumerate()
-            .find(|(_, f)| f.name == name)
+        // msgspec writes fields in declaration order: look from the one after
+        // the last field first, so the usual search is one comparison.
+        let i = (0..schema.len())
+            .map(|k| (next + k) % schema.len())
+            .find(|&i| schema[i].name == name)
             .ok_or_else(|| SchemaError::UnknownField {
                 kind,
                 field: name.into(),
             })?;
+        let field = &schema[i];
+        next = i + 1;
         if seen & (1 << i) != 0 {
             return Err(SchemaError::DuplicateField {
                 kind,
@@ -266,11 +270,11 @@ fn check_value(r: &mut Reader<'_>, ty: Ty) -> Result<Option<i64>, String> {
             let m = r.peek().map_err(|e| e.to_string())?;
             hash(r, m)
         }),
-        Ty::IntList => each(r, m, "a list of int", |r| int(r).map(|_| None)),
+        Ty::IntList => int_list(r, m),
         Ty::OptIntListList if m == Marker::Nil => nil(r),
         Ty::OptIntListList => each(r, m, "a list of lists of int", |r| {
             let m = r.peek().map_err(|e| e.to_string())?;
-            each(r, m, "a list of int", |r| int(r).map(|_| None))
+            int_list(r, m)
         }),
         Ty::OptExtraKeys if m == Marker::Nil => nil(r),
         Ty::OptExtraKeys => each(r, m, "a list of tuples or None", |r| {
@@ -299,6 +303,15 @@ fn hash(r: &mut Reader<'_>, m: Marker) -> Result<Option<i64>, String> {
         Marker::Bin => r.read_bin().map(|_| None).map_err(|e| e.to_string()),
         other => Err(format!("expected int or bytes, found {other}")),
     }
+}
+
+fn int_list(r: &mut Reader<'_>, m: Marker) -> Result<Option<i64>, String> {
+    if m != Marker::Array {
+        return Err(format!("expected a list of int, found {m}"));
+    }
+    let n = r.read_array_len().map_err(|e| e.to_string())?;
+    r.skip_ints(n).map_err(|(i, e)| format!("item {i}: {e}"))?;
+    Ok(None)
 }
 
 fn each(
