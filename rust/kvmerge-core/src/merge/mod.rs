@@ -165,9 +165,12 @@ impl Merger {
     }
 
     fn factor_of(&self, batch: &Batch, i: usize) -> u32 {
+        let Some(factors) = &self.cfg.replication_factors else {
+            return 1;
+        };
         let rec = batch.record(i);
-        match (&self.cfg.replication_factors, rec.kind, rec.group_idx) {
-            (Some(factors), EventKind::BlockStored, Some(g)) => factors[g as usize],
+        match (rec.kind, rec.group_idx) {
+            (EventKind::BlockStored, Some(g)) => factors[g as usize],
             _ => 1,
         }
     }

@@ -1,36 +1,25 @@
 //! Rules "all" and "quorum": segments between clears, completions among the
 //! reports before each rank's fence (docs/merge-rules.md).
 
-use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
-use super::{Merger, Position, Publication, Report, Rule};
+use super::{Merger, Position, Publication, Rule};
 use crate::batch::Batch;
 use crate::identity::IdentityMap;
-
-const NONE: u32 = u32::MAX;
-
-/// One eligible report, linked to the next report of the same identity.
-/// Items are pushed rank by rank, so each identity's list is rank-major.
-struct Item {
-    rank: u32,
-    qi: u32,
-    next: u32,
-    consumed: bool,
-}
-
-struct Group {
-    head: u32,
-    tail: u32,
-}
 
 /// Buffers reused from step to step, so a step allocates almost nothing.
 #[derive(Default)]
 pub(super) struct Scratch {
     map: IdentityMap<u32>,
-    groups: Vec<Group>,
-    items: Vec<Item>,
-    rank_start: Vec<usize>,
+    /// Group of each eligible report, rank by rank, in queue order.
+    gid: Vec<u32>,
+    /// `groups x world_size` report counts, then reused as a cursor.
+    counts: Vec<u32>,
+    /// Publications each group makes this segment (0 if incomplete).
+    quota: Vec<u32>,
+    /// Under "quorum": each rank's first eligible report of each group.
+    firsts: Vec<Option<(Position, Publication)>>,
+    consumed: Vec<bool>,
 }
 
 pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
@@ -38,13 +27,12 @@ pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
     let mut pubs = Vec::new();
     // Slots are released only after the output is gathered from them.
     let mut released = Vec::new();
+    let mut fences = fences(m);
     loop {
-        let fences = fences(m);
-        let mut done = complete(m, &fences, &mut released);
+        let mut done = complete(m, &mut fences, &mut released);
         done.sort_unstable_by_key(|(pos, _)| *pos);
         pubs.extend(done.into_iter().map(|(_, p)| p));
 
-        let fences = self::fences(m);
         if (0..w).any(|r| fences[r] == m.queues[r].len()) {
             break;
         }
@@ -67,6 +55,7 @@ pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
             }
         }
         pubs.push(clear.expect("world_size >= 1").1);
+        fences = self::fences(m);
     }
     let out = Arc::new(m.gather(&pubs));
     for slot in released {
@@ -84,10 +73,15 @@ fn fences(m: &Merger) -> Vec<usize> {
 }
 
 /// Finds the completions among the eligible reports, removes the reports
-/// they use from the queues, and returns them with their positions.
+/// they use from the queues (moving `fences` back accordingly), and returns
+/// them with their positions.
+///
+/// Two sequential passes over the eligible reports: the first groups them by
+/// identity and counts them per rank, the second hands each group's quota
+/// of reports out in queue order, which is how the rules pick them.
 fn complete(
     m: &mut Merger,
-    fences: &[usize],
+    fences: &mut [usize],
     released: &mut Vec<u32>,
 ) -> Vec<(Position, Publication)> {
     let w = m.cfg.world_size;
@@ -99,162 +93,106 @@ fn complete(
         ..
     } = m;
     s.map.clear();
-    s.groups.clear();
-    s.items.clear();
-    s.rank_start.clear();
+    s.gid.clear();
+    s.counts.clear();
     for (r, q) in queues.iter().enumerate() {
-        s.rank_start.push(s.items.len());
-        for (qi, rep) in q.iter().take(fences[r]).enumerate() {
-            let item = s.items.len() as u32;
-            s.items.push(Item {
-                rank: r as u32,
-                qi: qi as u32,
-                next: NONE,
-                consumed: false,
-            });
-            match s.map.entry(rep.identity) {
-                Entry::Occupied(e) => {
-                    let g = &mut s.groups[*e.get() as usize];
-                    s.items[g.tail as usize].next = item;
-                    g.tail = item;
-                }
-                Entry::Vacant(e) => {
-                    e.insert(s.groups.len() as u32);
-                    s.groups.push(Group {
-                        head: item,
-                        tail: item,
-                    });
-                }
+        for rep in q.iter().take(fences[r]) {
+            let next = s.map.len() as u32;
+            let g = *s.map.entry(rep.identity).or_insert(next);
+            if g == next {
+                s.counts.resize(s.counts.len() + w, 0);
             }
+            s.gid.push(g);
+            s.counts[g as usize * w + r] += 1;
         }
     }
 
-    let mut done = Vec::new();
-    for g in 0..s.groups.len() {
-        let head = s.groups[g].head;
-        match rule {
-            Rule::All => all(&mut s.items, head, w, queues, &mut done),
-            Rule::Quorum => quorum(&mut s.items, head, w, queues, &mut done),
-            Rule::Any => unreachable!("rule \"any\" never queues reports"),
-        }
-    }
-
-    for (r, q) in queues.iter_mut().enumerate() {
-        let base = s.rank_start[r];
-        let mut k = 0;
-        q.retain(|rep| {
-            let keep = k >= fences[r] || !s.items[base + k].consumed;
-            if !keep {
-                released.push(rep.slot);
-                stats.consumed += 1;
-            }
-            k += 1;
-            keep
-        });
-    }
-    done
-}
-
-fn report<'q>(queues: &'q [std::collections::VecDeque<Report>], item: &Item) -> &'q Report {
-    &queues[item.rank as usize][item.qi as usize]
-}
-
-fn position(rep: &Report, rank: u32) -> Position {
-    (rep.step, rep.idx, rank)
-}
-
-/// Calls `f(item index, run index within its rank)` along a group's list.
-fn walk(items: &mut [Item], head: u32, mut f: impl FnMut(&mut Item, u32)) {
-    let (mut at, mut rank, mut run) = (head, NONE, 0u32);
-    while at != NONE {
-        let item = &mut items[at as usize];
-        if item.rank != rank {
-            rank = item.rank;
-            run = 0;
-        }
-        f(item, run);
-        run += 1;
-        at = item.next;
-    }
-}
-
-/// Rule "all": the `j`-th report on every rank makes the `j`-th publication.
-fn all(
-    items: &mut [Item],
-    head: u32,
-    w: usize,
-    queues: &[std::collections::VecDeque<Report>],
-    done: &mut Vec<(Position, Publication)>,
-) {
-    let (mut distinct, mut min, mut last_rank, mut run) = (0usize, u32::MAX, NONE, 0u32);
-    walk(items, head, |item, j| {
-        if item.rank != last_rank {
-            if last_rank != NONE {
-                min = min.min(run);
-            }
-            distinct += 1;
-            last_rank = item.rank;
-        }
-        run = j + 1;
-    });
-    min = min.min(run);
-    if distinct < w {
-        return;
-    }
-    let start = done.len();
-    done.extend((0..min).map(|_| {
-        (
-            (0, 0, 0),
-            Publication {
-                slot: NONE,
-                idx: NONE,
-            },
-        )
+    let groups = s.map.len();
+    s.quota.clear();
+    s.quota.extend(s.counts.chunks_exact(w).map(|c| match rule {
+        Rule::All => c.iter().copied().min().unwrap_or(0),
+        _ => c.iter().filter(|&&n| n > 0).count() as u32,
     }));
-    walk(items, head, |item, j| {
-        if j < min {
-            item.consumed = true;
-            let rep = report(queues, item);
-            let pos = position(rep, item.rank);
-            let slot = &mut done[start + j as usize];
-            if slot.1.slot == NONE || pos > slot.0 {
-                *slot = (
-                    pos,
-                    Publication {
-                        slot: rep.slot,
-                        idx: rep.idx,
-                    },
-                );
-            }
-        }
-    });
-}
+    s.counts.iter_mut().for_each(|c| *c = 0);
+    if rule == Rule::Quorum {
+        s.firsts.clear();
+        s.firsts.resize(groups * w, None);
+    }
 
-/// Rule "quorum": enough distinct ranks, weighted by the replication factor.
-fn quorum(
-    items: &mut [Item],
-    head: u32,
-    w: usize,
-    queues: &[std::collections::VecDeque<Report>],
-    done: &mut Vec<(Position, Publication)>,
-) {
-    let factor = report(queues, &items[head as usize]).factor as u64;
-    let mut firsts: Vec<(Position, Publication)> = Vec::new();
-    walk(items, head, |item, j| {
-        if j == 0 {
-            let rep = report(queues, item);
-            let p = Publication {
+    // "all": slot `g`'s first publication is done[first[g]], the j-th is
+    // done[first[g] + j]; filled with the greatest position seen.
+    let mut done: Vec<(Position, Publication)> = Vec::new();
+    let mut first = vec![u32::MAX; groups];
+    let mut k = 0;
+    s.consumed.clear();
+    s.consumed.resize(s.gid.len(), false);
+    for (r, q) in queues.iter().enumerate() {
+        for rep in q.iter().take(fences[r]) {
+            let g = s.gid[k] as usize;
+            let j = s.counts[g * w + r];
+            s.counts[g * w + r] += 1;
+            let pos = (rep.step, rep.idx, r as u32);
+            let publication = Publication {
                 slot: rep.slot,
                 idx: rep.idx,
             };
-            firsts.push((position(rep, item.rank), p));
+            match rule {
+                Rule::All if j < s.quota[g] => {
+                    s.consumed[k] = true;
+                    if first[g] == u32::MAX {
+                        first[g] = done.len() as u32;
+                        done.extend((0..s.quota[g]).map(|_| (pos, publication)));
+                    }
+                    let slot = &mut done[(first[g] + j) as usize];
+                    if pos > slot.0 {
+                        *slot = (pos, publication);
+                    }
+                }
+                Rule::Quorum if j == 0 => s.firsts[g * w + r] = Some((pos, publication)),
+                _ => {}
+            }
+            k += 1;
         }
-    });
-    if (firsts.len() as u64) * factor < w as u64 {
-        return;
     }
-    let q = (w as u64).div_ceil(factor) as usize;
-    firsts.select_nth_unstable_by_key(q - 1, |(pos, _)| *pos);
-    done.push(firsts[q - 1]);
-    walk(items, head, |item, _| item.consumed = true);
+
+    if rule == Rule::Quorum {
+        let mut k = 0;
+        for (r, q) in queues.iter().enumerate() {
+            for rep in q.iter().take(fences[r]) {
+                let g = s.gid[k] as usize;
+                let distinct = s.quota[g] as u64;
+                s.consumed[k] = distinct * rep.factor as u64 >= w as u64;
+                if s.consumed[k] && first[g] == u32::MAX {
+                    first[g] = 0;
+                    let mut firsts: Vec<_> = s.firsts[g * w..(g + 1) * w]
+                        .iter()
+                        .flatten()
+                        .copied()
+                        .collect();
+                    let q = (w as u64).div_ceil(rep.factor as u64) as usize;
+                    firsts.select_nth_unstable_by_key(q - 1, |(pos, _)| *pos);
+                    done.push(firsts[q - 1]);
+                }
+                k += 1;
+            }
+        }
+    }
+
+    let mut k = 0;
+    for (r, q) in queues.iter_mut().enumerate() {
+        let (mut i, mut removed) = (0, 0);
+        q.retain(|rep| {
+            let keep = i >= fences[r] || !s.consumed[k + i];
+            if !keep {
+                released.push(rep.slot);
+                removed += 1;
+            }
+            i += 1;
+            keep
+        });
+        k += fences[r];
+        fences[r] -= removed;
+        stats.consumed += removed as u64;
+    }
+    done
 }
