@@ -1,19 +1,21 @@
 """A small, complete example: four TP ranks report KV events, one is late
 and one repeats itself; the merger publishes each logical event once.
 
-    python -m kvmerge.example
+    kvmerge example        (or: python -m kvmerge.example)
 """
 
 from __future__ import annotations
 
+import argparse
 import pickle
-
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from typing import Any
 
 import kvmerge
 
 
-def store(h: int, parent: int | None = None) -> BlockStored:
+def store(h: int, parent: int | None = None) -> Any:
+    from vllm.distributed.kv_events import BlockStored
+
     return BlockStored(
         block_hashes=[h],
         parent_block_hash=parent,
@@ -25,7 +27,9 @@ def store(h: int, parent: int | None = None) -> BlockStored:
     )
 
 
-def main() -> None:
+def run(args: argparse.Namespace | None = None) -> int:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+
     world = 4
     merger = kvmerge.Merger(world, rule="all", max_pending_steps=2)
     step0 = [store(1), store(2, parent=1), BlockRemoved(block_hashes=[7], medium="CPU")]
@@ -52,12 +56,15 @@ def main() -> None:
             wire = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
             received = pickle.loads(wire, buffers=[bytes(b.raw()) for b in buffers])
             merger.add(rank, received)  # on the scheduler
-            print(f"step {step} rank {rank}: {len(events)} events, {batch.nbytes} bytes")
+            print(
+                f"step {step} rank {rank}: {len(events)} events, {batch.nbytes} bytes"
+            )
         print(f"step {step} publishes:")
         for event in merger.finish_step():
             print(f"  {event}")
     print(merger.stats())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run()

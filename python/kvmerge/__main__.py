@@ -1,0 +1,5 @@
+import sys
+
+from kvmerge.cli import main
+
+sys.exit(main())

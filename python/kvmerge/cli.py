@@ -1,0 +1,50 @@
+"""The `kvmerge` command.
+
+Each subcommand lives in its own module, which provides
+`add_arguments(parser)` and `run(args) -> int` (the exit code). Those modules
+import vLLM inside `run`, not at their top, so `kvmerge --help` and option
+errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "example": ("kvmerge.example", "a small encode / carry / merge example"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmerge",
+        description="Merge vLLM KV-cache events from many workers, in Rust.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        adder = getattr(_load(module), "add_arguments", None)
+        if adder is not None:
+            adder(p)
+    return parser
+
+
+def _load(module: str):
+    return importlib.import_module(module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = _load(SUBCOMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
