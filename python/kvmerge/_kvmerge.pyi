@@ -50,7 +50,7 @@ class EventBatch:
 
     @staticmethod
     def from_buffer(buffer: Any) -> EventBatch:
-        """Borrow a received buffer (bytes, bytearray, memoryview...) without copying."""
+        """Borrow a received buffer (bytes, bytearray, memoryview) without copying."""
 
     @staticmethod
     def empty() -> EventBatch: ...
