@@ -1,0 +1,447 @@
+"""``KVMergeMultiConnector``: vLLM's ``MultiConnector`` whose children's KV
+events reach the publisher, merged across workers by ``kvmerge.Merger``.
+
+Only the event path differs from upstream:
+
+* worker side, ``get_kv_connector_kv_cache_events``: every step, every child
+  is drained (children that return None too) and one ``KVMergeKVEvents`` is
+  returned, always, holding this worker's rank and one lane per child (by
+  position): the child's events encoded with ``kvmerge.encode``, or for native
+  lanes the child's own container;
+* scheduler side, ``update_connector_output``: the lanes of all workers' reports
+  go to one ``kvmerge.Merger`` per merged child (world size from the vLLM
+  config), native lanes are recombined with the child's own methods; every
+  child then gets its ``update_connector_output`` with its own worker metadata
+  and only its own (native) container;
+* ``take_events``: per child, in config order, the merged events, then
+  whatever the child's own ``take_events`` yields;
+* ``reset_cache``: upstream behaviour, and every merger drops its pending state.
+
+Merged events leave ``take_events`` as ``msgspec.Raw`` (each event's msgpack
+bytes, which vLLM's ``ZmqEventPublisher`` writes verbatim) unless the
+connector's extra config says ``"kv_events_output": "objects"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import KVConnectorKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+    MultiKVConnectorWorkerMetadata,
+)
+
+import kvmerge
+from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError
+
+from .container import KVMergeKVEvents, WorkerReport
+from .native import combine_native
+from .rules import (
+    FACTORS_KEY,
+    INFERRED_RULES,
+    KIND_MOONCAKE,
+    KIND_NATIVE,
+    KIND_OTHER,
+    MERGE_KEY,
+    NAME_CHECKED_CHILDREN,
+    ChildSpec,
+    MultiSpec,
+    container_factors,
+    container_kind,
+    parse_multi,
+)
+from .topology import aggregated_world_size, worker_rank
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+
+logger = logging.getLogger(__name__)
+
+_EMPTY: EventBatch | None = None
+
+
+def _empty_batch() -> EventBatch:
+    global _EMPTY
+    if _EMPTY is None:
+        _EMPTY = EventBatch.empty()
+    return _EMPTY
+
+
+class _Lane:
+    """Scheduler-side state of one child."""
+
+    def __init__(
+        self,
+        spec: ChildSpec,
+        connector: Any,
+        world_size: int,
+        max_pending_steps: int,
+        output: str,
+    ) -> None:
+        self.spec = spec
+        self.connector = connector
+        self.world_size = world_size
+        self.max_pending_steps = max_pending_steps
+        self.objects = output == "objects"
+        #: "merge" or "native" once known (configured, or from the first
+        #: container a worker reported).
+        self.mode: str | None = None
+        #: The first container kind seen (auto lanes must stay consistent).
+        self.kind: str | None = None
+        self.rule: str | None = None
+        self.factors: tuple[int, ...] | None = None
+        self.factors_source = ""
+        self.merger: kvmerge.Merger | None = None
+        #: Merged events waiting for take_events.
+        self.out: list[Any] = []
+        # UMBP's scheduler drops its own pending events for blocks that workers
+        # removed (upstream feeds it the workers' events, see
+        # UMBPStoreConnector.update_connector_output); feed it what we publish.
+        self.invalidate = getattr(
+            getattr(connector, "connector_scheduler", None),
+            "invalidate_kv_events",
+            None,
+        )
+        if spec.rule == "native":
+            self.mode = "native"
+        elif spec.rule is not None:
+            self.mode = "merge"
+            if spec.rule != "quorum" or spec.factors is not None:
+                self._make_merger(spec.rule, spec.factors, FACTORS_KEY)
+
+    @property
+    def label(self) -> str:
+        return f"KVMergeMultiConnector {self.spec.label}"
+
+    def _rule_setting(self) -> str:
+        if self.spec.rule is not None:
+            return f"{MERGE_KEY}={self.spec.rule!r}"
+        return f"{MERGE_KEY} (inferred {self.rule!r} from a {self.kind} container)"
+
+    def _make_merger(
+        self, rule: str, factors: tuple[int, ...] | None, source: str
+    ) -> None:
+        try:
+            self.merger = kvmerge.Merger(
+                self.world_size,
+                rule,  # type: ignore[arg-type]
+                list(factors) if factors is not None else None,
+                self.max_pending_steps,
+            )
+        except ConfigError as e:
+            raise ConfigError(
+                f"{self.label}: rule {rule!r} with replication factors {factors} "
+                f"(from {source or 'nowhere'}): {e}"
+            ) from e
+        self.rule, self.factors, self.factors_source = rule, factors, source
+        logger.info(
+            "%s: merging with rule %r, replication factors %s (from %s), "
+            "world size %d, max_pending_steps %d",
+            self.label,
+            rule,
+            factors,
+            source or "none",
+            self.world_size,
+            self.max_pending_steps,
+        )
+
+    def _resolve(self, present: Sequence[tuple[int, str, Any, Any]]) -> None:
+        """Fix the lane's mode, kind and merger from this step's containers."""
+        for rank, kind, _payload, _factors in present:
+            if self.kind is None:
+                self.kind = kind
+            elif kind != self.kind:
+                raise TypeError(
+                    f"{self.label}: rank {rank} returned a {kind} container, "
+                    f"but this child returned {self.kind} containers before"
+                )
+        if self.mode is None:
+            self.mode = "native" if self.kind == KIND_NATIVE else "merge"
+        elif (self.kind == KIND_NATIVE) != (self.mode == "native"):
+            # The worker decided otherwise than this side's configuration.
+            raise ConfigError(
+                f"{self.label}: workers sent a {self.kind} lane but the scheduler's "
+                f"{MERGE_KEY} setting is {self.spec.rule!r}; workers and scheduler "
+                "must share the same kv_transfer_config"
+            )
+        if self.mode != "merge" or self.merger is not None:
+            return
+        assert self.kind is not None
+        rule = self.spec.rule or INFERRED_RULES[self.kind]
+        factors, source = self.spec.factors, FACTORS_KEY
+        if rule == "quorum" and factors is None:
+            factors = next((f for _r, _k, _p, f in present if f is not None), None)
+            source = f"the {self.kind} container"
+            if factors is None:
+                raise ConfigError(
+                    f"{self.label}: {MERGE_KEY}='quorum' needs replication factors, "
+                    f"one per KV cache group: set {FACTORS_KEY} in this child's "
+                    "kv_connector_extra_config (its containers carry none)"
+                )
+        self.rule = rule
+        self._make_merger(rule, factors, source)
+
+    def step(self, entries: Sequence[tuple[int, str | None, Any, Any]]) -> Any:
+        """One aggregated step; returns this child's native container, if any."""
+        present = [e for e in entries if e[1] is not None]
+        if present:
+            self._resolve(present)  # type: ignore[arg-type]
+        if self.mode == "native":
+            return combine_native(self.spec.label, (e[2] for e in entries))
+        merger = self.merger
+        if merger is None:  # nothing reported by this child yet
+            return None
+        if (
+            self.rule == "quorum"
+            and self.factors_source != FACTORS_KEY
+            and self.factors is not None
+        ):
+            for rank, _kind, _payload, factors in present:
+                if factors is not None and tuple(factors) != self.factors:
+                    raise ConfigError(
+                        f"{self.label}: rank {rank} reports replication factors "
+                        f"{tuple(factors)}, others {self.factors}; set "
+                        f"{FACTORS_KEY} to choose"
+                    )
+        empty = _empty_batch()
+        try:
+            for rank, _kind, payload, _factors in entries:
+                merger.add(rank, empty if payload is None else payload)
+            if self.invalidate is not None:
+                batch = merger.finish_step_batch()
+                decoded = batch.decode()
+                if decoded:
+                    self.invalidate(decoded)
+                self.out.extend(decoded if self.objects else batch.raw())
+            elif self.objects:
+                self.out.extend(merger.finish_step())
+            else:
+                self.out.extend(merger.finish_step_raw())
+        except GroupError as e:
+            raise GroupError(
+                f"{self.label}: {self._rule_setting()} with replication factors "
+                f"{self.factors} (from {self.factors_source}) does not cover a "
+                f"KV cache group the workers reported: {e}"
+            ) from e
+        except RankError as e:
+            raise RankError(f"{self.label}: {e}") from e
+        return None
+
+    def reset(self) -> None:
+        if self.merger is not None:
+            self.merger.reset()
+        self.out.clear()
+
+
+class KVMergeMultiConnector(MultiConnector):
+    """``MultiConnector`` that publishes every child's KV events, merged.
+
+    Extra config (besides ``connectors``): ``max_pending_steps`` (int, default
+    32) and ``kv_events_output`` (``"raw"``, default, or ``"objects"``); per
+    child: ``kv_events_merge`` (``"all"``, ``"quorum"``, ``"any"`` or
+    ``"native"``) and ``kv_events_replication_factors`` (list of int).
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        ktc = vllm_config.kv_transfer_config
+        if ktc is None:
+            raise ValueError("kv_transfer_config must be set for KVMergeMultiConnector")
+        # Settings first: misconfiguration fails before any child is built.
+        spec: MultiSpec = parse_multi(ktc.kv_connector_extra_config)
+        if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and (
+            not MultiConnector.all_children_support_hma(ktc)
+        ):
+            # vLLM auto-disables HMA for a connector config that lacks support
+            # only when the connector is named "MultiConnector".
+            raise ValueError(
+                "KVMergeMultiConnector: the hybrid KV cache manager is enabled but "
+                "not every child connector supports it; pass "
+                "--disable-hybrid-kv-cache-manager"
+            )
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._spec = spec
+        events_config = vllm_config.kv_events_config
+        # Without KV events nothing is published: children are still drained
+        # every step, but their events are not encoded (native lanes still
+        # carry their containers, for the children's own bookkeeping).
+        self._events_enabled = bool(
+            events_config is not None and events_config.enable_kv_cache_events
+        )
+        self._world_size = aggregated_world_size(vllm_config)
+        self._rank: int | None = None
+        self._lanes: list[_Lane] = []
+        if role == KVConnectorRole.SCHEDULER:
+            unseen = [c.label for c in spec.children if c.name in NAME_CHECKED_CHILDREN]
+            if unseen:
+                logger.warning(
+                    "KVMergeMultiConnector: vLLM 0.33.0 looks for %s by name only "
+                    "inside a connector named 'MultiConnector'; its engine-level "
+                    "setup for them (KVTransferConfig.has_connector) is skipped "
+                    "under KVMergeMultiConnector",
+                    ", ".join(unseen),
+                )
+            self._lanes = [
+                _Lane(
+                    child,
+                    connector,
+                    self._world_size,
+                    spec.max_pending_steps,
+                    spec.output,
+                )
+                for child, connector in zip(
+                    spec.children, self._connectors, strict=True
+                )
+            ]
+
+    # ==============================
+    # Worker side
+    # ==============================
+    @property
+    def worker_rank(self) -> int:
+        """This worker's rank among the outputs the executor aggregates."""
+        if self._rank is None:
+            rank = worker_rank(self._vllm_config)
+            if not 0 <= rank < self._world_size:
+                raise RankError(
+                    f"KVMergeMultiConnector: worker rank {rank} is outside the "
+                    f"aggregated world of {self._world_size} workers"
+                )
+            self._rank = rank
+        return self._rank
+
+    def get_kv_connector_kv_cache_events(self) -> KVMergeKVEvents:
+        n = len(self._connectors)
+        kinds: list[str | None] = [None] * n
+        payloads: list[Any] = [None] * n
+        factors: list[tuple[int, ...] | None] = [None] * n
+        for i, (child, connector) in enumerate(
+            zip(self._spec.children, self._connectors, strict=True)
+        ):
+            # Every child, every step: a child that returns None is drained too.
+            container = connector.get_kv_connector_kv_cache_events()
+            if container is None:
+                continue
+            kind = container_kind(container)
+            encode = child.encodes
+            if encode is None:
+                encode = kind != KIND_OTHER
+            if not encode:
+                kinds[i], payloads[i] = KIND_NATIVE, container
+                continue
+            if not self._events_enabled:
+                continue
+            events = container.get_all_events()
+            try:
+                payloads[i] = kvmerge.encode(events) if events else _empty_batch()
+            except KVMergeError as e:
+                raise type(e)(
+                    f"KVMergeMultiConnector {child.label}: cannot encode the events "
+                    f"of its {type(container).__name__} (set {MERGE_KEY}='native' "
+                    f"to pass them through unmerged): {e}"
+                ) from e
+            kinds[i] = kind
+            if kind == KIND_MOONCAKE:
+                factors[i] = container_factors(container, connector)
+        report = WorkerReport(
+            self.worker_rank, tuple(kinds), tuple(payloads), tuple(factors)
+        )
+        return KVMergeKVEvents.for_worker(report)
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+    @property
+    def world_size(self) -> int:
+        """The merge denominator: workers whose outputs the executor aggregates."""
+        return self._world_size
+
+    def merge_stats(self) -> list[dict[str, int] | None]:
+        """Per child (config order): its merger's counters, None if it has none."""
+        return [
+            lane.merger.stats().as_dict() if lane.merger is not None else None
+            for lane in self._lanes
+        ]
+
+    def _merge_step(self, reports: Sequence[WorkerReport]) -> list[Any]:
+        n = len(self._lanes)
+        seen: set[int] = set()
+        for report in reports:
+            if report.num_lanes != n:
+                raise ConfigError(
+                    f"KVMergeMultiConnector: rank {report.rank} sent "
+                    f"{report.num_lanes} lanes for {n} connectors; workers and "
+                    "scheduler must share the same kv_transfer_config"
+                )
+            if not 0 <= report.rank < self._world_size:
+                raise RankError(
+                    f"KVMergeMultiConnector: rank {report.rank} is outside the "
+                    f"aggregated world of {self._world_size} workers"
+                )
+            if report.rank in seen:
+                raise RankError(
+                    f"KVMergeMultiConnector: rank {report.rank} reported twice in "
+                    "one step"
+                )
+            seen.add(report.rank)
+        ordered = sorted(reports, key=lambda r: r.rank)
+        return [
+            lane.step(
+                [(r.rank, r.kinds[i], r.payloads[i], r.factors[i]) for r in ordered]
+            )
+            for i, lane in enumerate(self._lanes)
+        ]
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        n = len(self._lanes)
+        events = connector_output.kv_cache_events
+        native: list[KVConnectorKVEvents | None] = [None] * n
+        if events is not None:
+            if not isinstance(events, KVMergeKVEvents):
+                raise TypeError(
+                    "KVMergeMultiConnector: expected the workers' KVMergeKVEvents, "
+                    f"got {type(events).__name__}"
+                )
+            native = self._merge_step(events.reports)
+        meta = connector_output.kv_connector_worker_meta
+        if meta is not None and not isinstance(meta, MultiKVConnectorWorkerMetadata):
+            raise TypeError(
+                "KVMergeMultiConnector: expected MultiKVConnectorWorkerMetadata, "
+                f"got {type(meta).__name__}"
+            )
+        for i, lane in enumerate(self._lanes):
+            # A copy per child: the caller's output stays as it was.
+            child_output = copy.copy(connector_output)
+            child_output.kv_cache_events = native[i]
+            child_output.kv_connector_worker_meta = (
+                meta.metadata[i] if meta is not None else None
+            )
+            lane.connector.update_connector_output(child_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events: list[Any] = []
+        for lane in self._lanes:
+            if lane.out:
+                events.extend(lane.out)
+                lane.out = []
+            events.extend(lane.connector.take_events())
+        return events
+
+    def reset_cache(self) -> bool:
+        try:
+            return super().reset_cache()
+        finally:
+            for lane in self._lanes:
+                lane.reset()

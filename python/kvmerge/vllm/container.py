@@ -1,0 +1,205 @@
+"""The container a worker hands to the scheduler: one per worker per step.
+
+``KVMergeKVEvents`` implements vLLM's ``KVConnectorKVEvents`` so that
+``KVOutputAggregator.aggregate`` combines the containers of all workers with
+its usual calls::
+
+    acc.add_events(other.get_all_events())
+    acc.increment_workers(1)
+
+``get_all_events()`` returns a ``WorkerReports``: a lazy, read-only sequence
+that carries the workers' reports (rank + one encoded batch per lane) and only
+decodes events if somebody iterates or indexes it. ``add_events`` recognises it
+and takes the reports over as they are, so no event object is built between a
+worker's ``kvmerge.encode`` and the scheduler's merge.
+
+Pickling (the executor's shm ``MessageQueue`` pickles with the highest protocol
+and a ``buffer_callback``) keeps the ``EventBatch`` objects as they are: each
+reduces to a protocol-5 ``PickleBuffer`` of its wire bytes, which travels out
+of band when large, and is rebuilt with ``EventBatch.from_buffer`` on receipt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeAlias, overload
+
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+
+from kvmerge import EventBatch
+
+from .rules import KIND_NATIVE
+
+#: One lane's payload: an encoded batch, the child's own container, or None
+#: when the child returned None this step.
+Payload: TypeAlias = "EventBatch | KVConnectorKVEvents | None"
+
+
+class WorkerReport:
+    """One worker's contribution to one step.
+
+    ``kinds[i]`` is the kind of child ``i``'s container (see ``rules``), or None
+    when child ``i`` returned None; ``payloads[i]`` its encoded batch or, for
+    native lanes, its own container; ``factors[i]`` the replication factors a
+    Mooncake store container carried.
+    """
+
+    __slots__ = ("factors", "kinds", "payloads", "rank")
+
+    def __init__(
+        self,
+        rank: int,
+        kinds: tuple[str | None, ...],
+        payloads: tuple[Payload, ...],
+        factors: tuple[tuple[int, ...] | None, ...],
+    ) -> None:
+        if not (len(kinds) == len(payloads) == len(factors)):
+            raise ValueError("kinds, payloads and factors must have one entry per lane")
+        self.rank = rank
+        self.kinds = kinds
+        self.payloads = payloads
+        self.factors = factors
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self.kinds)
+
+    def decode(self) -> list[KVCacheEvent]:
+        """Every lane's events as objects, in lane order (not on the hot path)."""
+        events: list[KVCacheEvent] = []
+        for kind, payload in zip(self.kinds, self.payloads, strict=True):
+            if payload is None:
+                continue
+            if kind == KIND_NATIVE:
+                events.extend(payload.get_all_events())  # type: ignore[union-attr]
+            else:
+                events.extend(payload.decode())  # type: ignore[union-attr]
+        return events
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (WorkerReport, (self.rank, self.kinds, self.payloads, self.factors))
+
+    def __repr__(self) -> str:
+        lanes = ", ".join(
+            "None"
+            if p is None
+            else (f"{k}:{len(p)}" if isinstance(p, EventBatch) else f"{k}:{p!r}")
+            for k, p in zip(self.kinds, self.payloads, strict=True)
+        )
+        return f"<WorkerReport rank={self.rank} lanes=[{lanes}]>"
+
+
+class WorkerReports(Sequence[KVCacheEvent]):
+    """What ``KVMergeKVEvents.get_all_events()`` returns.
+
+    As a sequence it holds the decoded events of every report (all lanes, in
+    report then lane order), decoded once on first use. ``KVMergeKVEvents``
+    never uses it that way: it reads ``.reports``.
+    """
+
+    __slots__ = ("_decoded", "reports")
+
+    def __init__(self, reports: Sequence[WorkerReport]) -> None:
+        self.reports: tuple[WorkerReport, ...] = tuple(reports)
+        self._decoded: list[KVCacheEvent] | None = None
+
+    def _events(self) -> list[KVCacheEvent]:
+        if self._decoded is None:
+            decoded: list[KVCacheEvent] = []
+            for report in self.reports:
+                decoded.extend(report.decode())
+            self._decoded = decoded
+        return self._decoded
+
+    @overload
+    def __getitem__(self, index: int) -> KVCacheEvent: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[KVCacheEvent]: ...
+    def __getitem__(self, index: int | slice) -> KVCacheEvent | list[KVCacheEvent]:
+        return self._events()[index]
+
+    def __len__(self) -> int:
+        return len(self._events())
+
+    def __iter__(self) -> Iterator[KVCacheEvent]:
+        return iter(self._events())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # By report, never by event: pickling does not decode.
+        return (WorkerReports, (self.reports,))
+
+    def __repr__(self) -> str:
+        return f"<WorkerReports ranks={[r.rank for r in self.reports]}>"
+
+
+class KVMergeKVEvents(KVConnectorKVEvents):
+    """The KVMergeMultiConnector container: one worker report per worker."""
+
+    __slots__ = ("_num_workers", "_reports")
+
+    def __init__(
+        self, reports: Sequence[WorkerReport] = (), num_workers: int = 1
+    ) -> None:
+        if num_workers <= 0:
+            raise ValueError("num_workers must be greater than zero.")
+        self._reports: list[WorkerReport] = list(reports)
+        self._num_workers = num_workers
+
+    @classmethod
+    def for_worker(cls, report: WorkerReport) -> KVMergeKVEvents:
+        return cls((report,), num_workers=1)
+
+    @property
+    def reports(self) -> tuple[WorkerReport, ...]:
+        """The reports gathered so far, in the order they were added."""
+        return tuple(self._reports)
+
+    # --- KVConnectorKVEvents -------------------------------------------------
+    def add_events(self, events: Sequence[KVCacheEvent]) -> None:  # type: ignore[override]
+        """Take over another container's reports (``get_all_events()`` of a
+        ``KVMergeKVEvents``), without decoding them."""
+        if isinstance(events, WorkerReports):
+            self._reports.extend(events.reports)
+            return
+        if isinstance(events, Sequence) and len(events) == 0:
+            return
+        raise TypeError(
+            "KVMergeKVEvents.add_events takes another KVMergeKVEvents' "
+            f"get_all_events(), not {type(events).__name__}: events must be "
+            "encoded on the worker that saw them"
+        )
+
+    def aggregate(self) -> KVMergeKVEvents:
+        """A no-op: the scheduler-side ``kvmerge.Merger`` does the merging, with
+        state across steps that a per-step container cannot hold."""
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        if count <= 0:
+            raise ValueError("count must be positive.")
+        self._num_workers += count
+
+    def get_all_events(self) -> WorkerReports:  # type: ignore[override]
+        return WorkerReports(self._reports)
+
+    def get_number_of_workers(self) -> int:
+        return self._num_workers
+
+    def clear_events(self) -> None:
+        self._reports.clear()
+        self._num_workers = 1
+
+    # --- Python protocol -----------------------------------------------------
+    def __bool__(self) -> bool:
+        # Always true, also when empty: vLLM drops falsy containers
+        # (``KVConnectorOutput.is_empty``, ``KVOutputAggregator``), and an empty
+        # container must still reach the scheduler so that the worker counts.
+        return True
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (KVMergeKVEvents, (tuple(self._reports), self._num_workers))
+
+    def __repr__(self) -> str:
+        return (
+            f"<KVMergeKVEvents workers={self._num_workers} reports={self._reports!r}>"
+        )

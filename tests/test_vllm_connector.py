@@ -1,0 +1,540 @@
+"""KVMergeMultiConnector in one process, against real vLLM 0.33.0.
+
+Every step goes the way vLLM takes it: worker connectors build their outputs,
+the outputs are pickled as the shm MessageQueue pickles them, a real
+KVOutputAggregator combines them, the scheduler connector gets
+update_connector_output then take_events, and a real ZmqEventPublisher
+publishes what the test reads back with a SUB socket (see vllm_harness).
+Expectations are worked out by hand from docs/merge-rules.md.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import msgspec
+import pytest
+from reference import ReferenceMerger, assert_same_events
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+    MultiKVConnectorWorkerMetadata,
+)
+from vllm_children import CountMeta, ThirdPartyKVEvents
+from vllm_harness import (
+    Bus,
+    Cluster,
+    build,
+    child,
+    cleared,
+    make_config,
+    removed,
+    shm_roundtrip,
+    stored,
+    worker_config,
+    worker_output,
+)
+
+import kvmerge
+from kvmerge.vllm import KVMergeKVEvents, KVMergeMultiConnector, register
+from kvmerge.vllm.container import WorkerReports
+from kvmerge.vllm.topology import aggregated_world_size, worker_rank
+
+SCHEDULER = KVConnectorRole.SCHEDULER
+WORKER = KVConnectorRole.WORKER
+
+
+@pytest.fixture(scope="module")
+def bus():
+    b = Bus()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    register()
+
+
+def chain(n: int, start: int = 1) -> list:
+    """n stores, each the parent of the next."""
+    return [stored(h, h - 1 if h > start else None) for h in range(start, start + n)]
+
+
+# --- registration ------------------------------------------------------------
+def test_factory_builds_it_by_module_path_and_by_registered_name():
+    register()
+    register()  # idempotent: vLLM loads plugins in every process, maybe twice
+    for module_path in ("kvmerge.vllm", None):
+        cfg = make_config([child("LMCacheChild")], module_path=module_path)
+        for role in (SCHEDULER, WORKER):
+            conn = build(cfg, role)
+            assert type(conn) is KVMergeMultiConnector
+            assert isinstance(conn, MultiConnector)
+            assert type(conn.sub_connectors[0]).__name__ == "LMCacheChild"
+
+
+# --- rule "all" (LMCacheKVEvents) ------------------------------------------------
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_all_rule_counts_every_worker_of_the_config(bus, tp):
+    c = Cluster([child("LMCacheChild")], bus, tp=tp, max_pending_steps=2)
+    last = tp - 1
+    s1, s2, s3 = chain(3)
+    # Step 0: the last rank reports s2 one step late.
+    for r in range(tp):
+        c.emit(r, 0, [s1, s2] if r != last else [s1])
+    out = c.aggregate()
+    container = out.kv_connector_output.kv_cache_events
+    assert isinstance(container, KVMergeKVEvents)
+    assert container.get_number_of_workers() == tp
+    assert [rep.rank for rep in container.reports] == list(range(tp))
+    assert bus.publish(c.schedule(out)) == [s1]
+    # Step 1: only the late rank has something; the others return None.
+    c.emit(last, 0, [s2])
+    assert c.step() == [s2]
+    # Step 2: one rank of tp reports s3. Upstream LMCache would publish it
+    # (workers that return None do not count there); the world counts here.
+    c.emit(0, 0, [s3])
+    assert c.step() == []
+    assert c.step() == []
+    assert c.step() == []  # s3 expired at the end of step 2 + max_pending_steps
+    assert c.scheduler.merge_stats()[0] == {
+        "steps": 5,
+        "batches": 5 * tp,
+        "reports": 2 * tp + 1,
+        "published": 2,
+        "consumed": 2 * tp,
+        "cleared": 0,
+        "expired": 1,
+        "pending": 0,
+    }
+
+
+def test_duplicates_in_one_worker_do_not_stand_in_for_another(bus):
+    c = Cluster([child("LMCacheChild")], bus, tp=2)
+    s1 = stored(1)
+    c.emit(0, 0, [s1, s1])  # rank 0 reports s1 twice (vLLM PR #49689)
+    c.emit(1, 0, [s1])
+    assert c.step() == [s1]
+    c.emit(1, 0, [s1])  # now rank 1 matches rank 0's second report
+    assert c.step() == [s1]
+    assert c.scheduler.merge_stats()[0]["pending"] == 0
+
+
+def test_all_blocks_cleared_is_a_barrier_for_every_rank(bus):
+    # AllBlocksCleared is not hashable in vLLM 0.33.0, so the Counter-based
+    # upstream containers cannot carry it; a third-party list container with
+    # rule "all" can (and shows an override on an unknown container type).
+    c = Cluster([child("ThirdPartyConnector", kv_events_merge="all")], bus, tp=2)
+    s1, s2, s3 = stored(1), stored(2), stored(3)
+    c.emit(0, 0, [s1, cleared(), s2])
+    c.emit(1, 0, [s1])
+    assert c.step() == [s1]  # rank 1 has not cleared yet: s2 waits behind
+    c.emit(1, 0, [cleared(), s2, s3])
+    assert c.step() == [cleared(), s2]
+    c.emit(0, 0, [s3])
+    assert c.step() == [s3]
+    received = c.children("scheduler")[0].received
+    assert all(r.kv_cache_events is None for r in received)
+
+
+def test_bytes_block_hashes(bus):
+    c = Cluster([child("LMCacheChild")], bus, tp=2)
+    h1, h2 = bytes(range(32)), bytes(range(32, 64))
+    events = [stored(h1), stored(h2, h1), removed(h1)]
+    for r in range(2):
+        c.emit(r, 0, events)
+    got = c.step()
+    assert got == events
+    assert got[1].parent_block_hash == h1 and isinstance(got[1].block_hashes[0], bytes)
+
+
+# --- rule "quorum" (MooncakeStoreKVEvents) --------------------------------------
+def test_quorum_with_gqa_replication_factors(bus):
+    # TP=8; group 1's KV heads are replicated on 4 ranks (factor 4): two
+    # distinct ranks complete one of its stores; group 0 needs all eight.
+    c = Cluster(
+        [child("MooncakeChild", test_factors=[1, 4])], bus, tp=8, max_pending_steps=1
+    )
+    g0, g1a, g1b = stored(10, group=0), stored(20, group=1), stored(30, group=1)
+    for r in range(8):
+        events = [g0]
+        if r in (0, 4):
+            events.append(g1a)
+        if r == 0:
+            events.append(g1b)
+        if r == 3:
+            events.append(g0)  # a duplicate: collapsed
+        c.emit(r, 0, events)
+    assert c.step() == [g0, g1a]
+    c.emit(2, 0, [g1b])  # the second rank for g1b, one step later
+    assert c.step() == [g1b]
+    for r in range(8):
+        c.emit(r, 0, [removed(10)] if r != 5 else [])
+    assert c.step() == []  # a removal has factor 1: 7 of 8 is not enough
+    assert c.step() == []
+    stats = c.scheduler.merge_stats()[0]
+    assert stats["expired"] == 7 and stats["pending"] == 0
+    # Every worker returned a container every step (Mooncake does).
+    assert stats["batches"] == 4 * 8
+
+
+def test_quorum_factors_must_cover_reported_groups(bus):
+    c = Cluster([child("MooncakeChild", test_factors=[1])], bus, tp=2)
+    for r in range(2):
+        c.emit(r, 0, [stored(1, group=0)])
+    assert c.step() == [stored(1, group=0)]
+    for r in range(2):
+        c.emit(r, 0, [stored(2, group=1)])
+    with pytest.raises(kvmerge.GroupError) as err:
+        c.step()
+    msg = str(err.value)
+    assert "connectors[0] (MooncakeChild)" in msg and "replication factors" in msg
+
+
+def test_configured_factors_override_the_containers(bus):
+    c = Cluster(
+        [
+            child(
+                "MooncakeChild", test_factors=[1], kv_events_replication_factors=[1, 2]
+            )
+        ],
+        bus,
+        tp=2,
+    )
+    c.emit(0, 0, [stored(2, group=1)])
+    assert c.step() == [stored(2, group=1)]
+
+
+# --- rule "any" (UMBPStoreKVEvents) ---------------------------------------------
+def test_any_rule_and_the_childs_own_scheduler_events(bus):
+    c = Cluster([child("UMBPChild")], bus, tp=4)
+    s1, s5, s77, r9 = stored(1), stored(5), stored(77), removed(9)
+    for r in range(4):
+        c.emit(r, 0, [s1, s5, r9] if r == 2 else [s1, r9])
+    umbp = c.children("scheduler")[0]
+    umbp.scheduler_emit([s77])  # an event UMBP's scheduler half makes itself
+    # Position order (index, then rank): s1; r9 (ranks 0, 1), s5 (rank 2).
+    assert c.step() == [s1, r9, s5, s77]
+    # The child's scheduler half saw what is published, to invalidate its own.
+    assert umbp.connector_scheduler.invalidated == [s1, r9, s5]
+    for r in range(4):
+        c.emit(r, 0, [s1])
+    assert c.step() == [s1]  # repetitions across steps are kept
+
+
+# --- lanes by position, native and silent children ------------------------------
+def test_lanes_by_position_with_native_and_silent_children(bus):
+    c = Cluster(
+        [
+            child("LMCacheChild"),
+            child("LMCacheChild"),  # same class: its own lane
+            child("SilentChild"),
+            child("ThirdPartyConnector", test_min_reports=2),  # native
+        ],
+        bus,
+        tp=2,
+    )
+    s1, s2, s3, s4, s5 = (stored(h) for h in range(1, 6))
+    for r in range(2):
+        c.emit(r, 0, [s1])
+        c.emit(r, 1, [s2])
+        c.emit(r, 3, [s3] if r == 0 else [s3, s4])
+    # Config order; the native child applies its own rule (2 reports).
+    assert c.step() == [s1, s2, s3]
+    c.emit(0, 3, None)  # the native child returns None on rank 0
+    c.emit(1, 3, [s5, s5])
+    assert c.step() == [s5]
+    for r in range(2):
+        assert c.children(r)[2].drained == 2  # drained every step
+    sched = c.children("scheduler")
+    for lane in (0, 1, 2):
+        assert [x.kv_cache_events for x in sched[lane].received] == [None, None]
+    native = sched[3].received
+    assert [type(x.kv_cache_events) for x in native] == [ThirdPartyKVEvents] * 2
+    # Combined with the child's own methods: workers that returned None do not
+    # count, as in upstream's KVOutputAggregator.
+    assert [x.num_workers for x in native] == [2, 1]
+    assert native[0].events == [s3, s3, s4]
+
+
+def test_children_get_their_own_output_fields(bus):
+    c = Cluster(
+        [
+            child("LMCacheChild", test_meta_tag="a"),
+            child("ThirdPartyConnector", test_meta_tag="b"),
+            child("SilentChild"),
+        ],
+        bus,
+        tp=2,
+    )
+    for r in range(2):
+        c.emit(r, 0, [stored(1)])
+        c.emit(r, 1, [stored(2)])
+    out = c.aggregate(finished_sending={"req-1"})
+    kv_out = out.kv_connector_output
+    events, meta = kv_out.kv_cache_events, kv_out.kv_connector_worker_meta
+    assert isinstance(meta, MultiKVConnectorWorkerMetadata)
+    c.scheduler.update_connector_output(kv_out)
+    # The caller's output is left as it was.
+    assert kv_out.kv_cache_events is events
+    assert kv_out.kv_connector_worker_meta is meta
+    got = [s.received[-1] for s in c.children("scheduler")]
+    assert [g.worker_meta for g in got] == [CountMeta("a", 2), CountMeta("b", 2), None]
+    assert all(g.finished_sending == {"req-1"} for g in got)
+    assert got[0].kv_cache_events is None and got[2].kv_cache_events is None
+    assert isinstance(got[1].kv_cache_events, ThirdPartyKVEvents)
+    assert c.bus.publish(list(c.scheduler.take_events())) == [stored(1), stored(2)]
+
+
+# --- world size, reset, output format -------------------------------------------
+def test_world_size_comes_from_the_config_not_from_arrivals(bus):
+    c = Cluster([child("LMCacheChild")], bus, tp=2, pp=2)
+    assert c.scheduler.world_size == 4
+    assert [w.worker_rank for w in c.workers] == [0, 1, 2, 3]
+    s1 = stored(1)
+    for r in range(3):
+        c.emit(r, 0, [s1])
+    # Rank 3's output is missing from this step: 3 reports of 4 are not "all".
+    assert c.bus.publish(c.schedule(c.aggregate(ranks=[0, 1, 2]))) == []
+    c.emit(3, 0, [s1])
+    assert c.step() == [s1]
+
+
+def test_reset_cache_drops_pending_reports(bus):
+    s1 = stored(1)
+    for reset in (False, True):
+        c = Cluster([child("LMCacheChild")], bus, tp=2)
+        c.emit(0, 0, [s1])
+        assert c.step() == []
+        if reset:
+            assert c.scheduler.reset_cache() is True
+        c.emit(1, 0, [s1])
+        assert c.step() == ([] if reset else [s1])
+    assert c.scheduler.merge_stats()[0]["pending"] == 1
+
+
+def test_without_kv_events_children_are_drained_but_nothing_is_encoded(bus):
+    c = Cluster(
+        [child("LMCacheChild"), child("ThirdPartyConnector")],
+        bus,
+        tp=2,
+        kv_events=False,
+    )
+    for r in range(2):
+        c.emit(r, 0, [stored(1)])
+        c.emit(r, 1, [stored(2)])
+    out = c.aggregate()
+    reports = out.kv_connector_output.kv_cache_events.reports
+    assert [rep.payloads[0] for rep in reports] == [None, None]
+    assert all(isinstance(rep.payloads[1], ThirdPartyKVEvents) for rep in reports)
+    # The native child still gets its container (its own bookkeeping).
+    assert c.bus.publish(c.schedule(out)) == [stored(2)]
+    assert all(w.sub_connectors[0].drained == 1 for w in c.workers)
+
+
+@pytest.mark.parametrize("output", ["raw", "objects"])
+def test_take_events_output_format(bus, output):
+    c = Cluster([child("UMBPChild")], bus, tp=2, kv_events_output=output)
+    for r in range(2):
+        c.emit(r, 0, [stored(1)])
+    c.scheduler.update_connector_output(c.aggregate().kv_connector_output)
+    events = list(c.scheduler.take_events())
+    kind = msgspec.Raw if output == "raw" else type(stored(1))
+    assert [type(e) for e in events] == [kind]
+    assert c.bus.publish(events) == [stored(1)]
+
+
+# --- the container ---------------------------------------------------------------
+def test_container_pickles_out_of_band_and_aggregates_without_decoding(
+    bus, monkeypatch
+):
+    c = Cluster([child("LMCacheChild"), child("SilentChild")], bus, tp=4)
+    events = chain(5)
+    for r in range(4):
+        c.emit(r, 0, events)
+    outputs = [worker_output(w) for w in c.workers]
+
+    # Protocol 5: each EventBatch is a PickleBuffer; nothing is an event object.
+    container = outputs[0].kv_connector_output.kv_cache_events
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(container, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1
+    assert b"BlockStored" not in data and b"kv_events" not in data
+    copy = pickle.loads(data, buffers=buffers)
+    assert copy.reports[0].payloads[0].decode() == events
+    assert copy.reports[0].payloads[1] is None  # the silent child
+
+    # Through the shm pickling and the aggregator, nothing gets decoded: the
+    # batches the scheduler merges are the very objects that were unpickled.
+    received = [shm_roundtrip(o)[0] for o in outputs]
+    batches = [
+        o.kv_connector_output.kv_cache_events.reports[0].payloads[0] for o in received
+    ]
+
+    def no_decoding(self):
+        raise AssertionError("worker reports were decoded")
+
+    monkeypatch.setattr(WorkerReports, "_events", no_decoding)
+    out = c.aggregator.aggregate(received, output_rank=0)
+    combined = out.kv_connector_output.kv_cache_events
+    merged = [rep.payloads[0] for rep in combined.reports]
+    assert len(merged) == len(batches)
+    assert all(a is b for a, b in zip(merged, batches, strict=True))
+    assert combined.get_number_of_workers() == 4
+    assert c.bus.publish(c.schedule(out)) == events
+    monkeypatch.undo()
+
+    # A generic consumer iterating get_all_events() still gets event objects.
+    assert list(combined.get_all_events()) == events * 4
+    assert len(combined.get_all_events()) == 20
+    with pytest.raises(TypeError):
+        combined.add_events([stored(1)])
+
+
+def test_container_interface(bus):
+    cfg = make_config([child("UMBPChild")], tp=2)
+    workers = [build(worker_config(cfg, r), WORKER) for r in range(2)]
+    for w in workers:
+        w.sub_connectors[0].emit([stored(1)])
+    a, b = (w.get_kv_connector_kv_cache_events() for w in workers)
+    assert bool(KVMergeKVEvents()) is True  # empty still counts as a worker
+    assert a.aggregate() is a
+    a.merge(b)
+    a.increment_workers(1)
+    assert [r.rank for r in a.reports] == [0, 1] and a.get_number_of_workers() == 2
+    with pytest.raises(ValueError):
+        a.increment_workers(0)
+    a.clear_events()
+    assert a.reports == () and a.get_number_of_workers() == 1
+
+
+# --- misconfiguration ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("children", "extra", "needle"),
+    [
+        (
+            [child("LMCacheChild"), child("UMBPChild", kv_events_merge="majority")],
+            {},
+            "connectors[1] (UMBPChild): kv_events_merge='majority'",
+        ),
+        (
+            [
+                child(
+                    "LMCacheChild",
+                    kv_events_merge="all",
+                    kv_events_replication_factors=[2],
+                )
+            ],
+            {},
+            "connectors[0] (LMCacheChild): kv_events_replication_factors",
+        ),
+        (
+            [child("MooncakeChild", kv_events_replication_factors=[1, 0])],
+            {},
+            "connectors[0] (MooncakeChild): kv_events_replication_factors=[1, 0]",
+        ),
+        ([child("LMCacheChild")], {"max_pending_steps": -1}, "max_pending_steps=-1"),
+        ([child("LMCacheChild")], {"kv_events_output": "json"}, "kv_events_output"),
+    ],
+)
+def test_misconfiguration_fails_at_construction(children, extra, needle):
+    cfg = make_config(children, **extra)
+    for role in (SCHEDULER, WORKER):
+        with pytest.raises(kvmerge.ConfigError) as err:
+            build(cfg, role)
+        assert needle in str(err.value)
+
+
+def test_quorum_without_factors_fails_at_the_first_step(bus):
+    c = Cluster([child("LMCacheChild", kv_events_merge="quorum")], bus, tp=2)
+    assert c.step() == []  # nothing reported yet: nothing to complain about
+    for r in range(2):
+        c.emit(r, 0, [stored(1)])
+    with pytest.raises(kvmerge.ConfigError) as err:
+        c.step()
+    msg = str(err.value)
+    assert "connectors[0] (LMCacheChild)" in msg
+    assert "kv_events_merge='quorum'" in msg and "kv_events_replication_factors" in msg
+
+
+def test_configured_factors_must_cover_reported_groups(bus):
+    c = Cluster(
+        [
+            child(
+                "ThirdPartyConnector",
+                kv_events_merge="quorum",
+                kv_events_replication_factors=[1],
+            )
+        ],
+        bus,
+        tp=2,
+    )
+    c.emit(0, 0, [stored(1, group=2)])
+    with pytest.raises(kvmerge.GroupError) as err:
+        c.step()
+    msg = str(err.value)
+    assert "connectors[0] (ThirdPartyConnector)" in msg
+    assert "kv_events_replication_factors" in msg
+
+
+# --- the whole path against the reference model ----------------------------------
+@pytest.mark.parametrize(
+    ("name", "extra", "rule", "factors"),
+    [
+        ("LMCacheChild", {}, "all", None),
+        ("MooncakeChild", {"test_factors": [1, 2]}, "quorum", [1, 2]),
+        ("UMBPChild", {}, "any", None),
+        ("ThirdPartyConnector", {"kv_events_merge": "all"}, "all", None),
+        (
+            "ThirdPartyConnector",
+            {"kv_events_merge": "quorum", "kv_events_replication_factors": [2, 1]},
+            "quorum",
+            [2, 1],
+        ),
+        ("ThirdPartyConnector", {"kv_events_merge": "any"}, "any", None),
+    ],
+)
+def test_random_steps_match_the_reference_model(bus, name, extra, rule, factors):
+    """Seeded random steps through workers, pickling, aggregator, scheduler and
+    publisher publish what tests/reference.py's model says, step by step."""
+    tp, steps, mps = 4, 14, 2
+    rng = random.Random(f"{name}-{rule}")
+    pool = [stored(h, group=h % 2) for h in range(1, 7)] + [removed(h) for h in (1, 2)]
+    if name == "ThirdPartyConnector":
+        pool.append(cleared())  # only list containers can carry it (not hashable)
+    c = Cluster([child(name, **extra)], bus, tp=tp, max_pending_steps=mps)
+    model = ReferenceMerger(tp, rule, factors, mps)
+    for _ in range(steps):
+        for r in range(tp):
+            worker_child = c.workers[r].sub_connectors[0]
+            events = rng.choices(pool, k=rng.choice([0, 0, 1, 2, 3, 4]))
+            worker_child.emit(events)
+            # The model sees what the child's real container hands over.
+            container = worker_child.make_container(list(events))
+            model.add(r, list(container.get_all_events()) if container else [])
+        assert_same_events(c.step(), model.finish_step())
+    # The counters the plugin drives (one batch per rank per step, every event
+    # reported); how reports end is the core's business (tests/test_merger*).
+    keys = ("steps", "batches", "reports", "published")
+    got = c.scheduler.merge_stats()[0]
+    assert {k: got[k] for k in keys} == {k: model.stats.as_dict()[k] for k in keys}
+    assert got["batches"] == steps * tp
+
+
+def test_hybrid_kv_cache_manager_needs_every_child_to_support_it():
+    cfg = make_config([child("LMCacheChild")])
+    # vLLM auto-disables it only for a connector named "MultiConnector" (and on
+    # CPU always): enable it by hand, as a GPU config without the flag has it.
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
+        build(cfg, SCHEDULER)
+
+
+def test_world_and_rank_under_the_external_launcher():
+    # One scheduler per process, fed by its own worker only.
+    cfg = worker_config(make_config([child("LMCacheChild")], tp=4), 3)
+    assert worker_rank(cfg) == 3 and aggregated_world_size(cfg) == 4
+    cfg.parallel_config.distributed_executor_backend = "external_launcher"
+    assert worker_rank(cfg) == 0 and aggregated_world_size(cfg) == 1

@@ -1,0 +1,277 @@
+"""A small, real vLLM 0.33.0 setting for the plugin tests (no mocks of vLLM).
+
+* configs: ``VllmConfig(device_config=DeviceConfig(device="cpu"))`` with a
+  ``KVTransferConfig`` naming ``KVMergeMultiConnector`` and children from
+  ``vllm_children``;
+* connectors: ``KVConnectorFactory.create_connector`` for the scheduler and for
+  one worker per rank (each worker with its own ``parallel_config.rank``, as
+  vLLM's ``WorkerBase`` sets it);
+* a step: each worker builds its ``KVConnectorOutput`` as vLLM's model runner
+  does and wraps it in a ``ModelRunnerOutput``; the outputs are pickled as the
+  executor's shm ``MessageQueue`` pickles them (highest protocol, out-of-band
+  buffers of 1 MiB or more) and combined by a real ``KVOutputAggregator``; the
+  scheduler connector gets ``update_connector_output`` then ``take_events``,
+  and the events are published by a real ``ZmqEventPublisher`` on an ipc://
+  endpoint and read back with a zmq SUB socket and msgspec.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pickle import PickleBuffer
+from typing import Any
+
+import msgspec
+import zmq
+from vllm.config import (
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+CHILDREN_MODULE = "vllm_children"
+OOB_THRESHOLD = 1024 * 1024  # MessageQueue.enqueue: in-line below 1 MiB
+
+
+# --- events ------------------------------------------------------------------
+def stored(
+    h: int | bytes,
+    parent: int | bytes | None = None,
+    *,
+    group: int | None = None,
+    tokens: Sequence[int] = (1, 2, 3, 4),
+    medium: str | None = "GPU",
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=[h],
+        parent_block_hash=parent,
+        token_ids=list(tokens),
+        block_size=len(tokens),
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+    )
+
+
+def removed(h: int | bytes, *, group: int | None = None) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[h], medium="GPU", group_idx=group)
+
+
+def cleared() -> AllBlocksCleared:
+    return AllBlocksCleared()
+
+
+# --- configs and connectors --------------------------------------------------
+def child(name: str, **extra: Any) -> dict[str, Any]:
+    """A child entry of ``connectors`` for a ``vllm_children`` class."""
+    return {
+        "kv_connector": name,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": CHILDREN_MODULE,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def make_config(
+    children: Sequence[Mapping[str, Any]],
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    module_path: str | None = "kvmerge.vllm",
+    kv_events: bool = True,
+    **extra: Any,
+) -> VllmConfig:
+    ktc = KVTransferConfig(
+        kv_connector="KVMergeMultiConnector",
+        kv_role="kv_both",
+        kv_connector_module_path=module_path,
+        kv_connector_extra_config={"connectors": [dict(c) for c in children], **extra},
+    )
+    return VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp
+        ),
+        kv_transfer_config=ktc,
+        # The tests publish through their own ZmqEventPublisher (Bus).
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events),
+    )
+
+
+def kv_cache_config() -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[])
+
+
+def worker_config(cfg: VllmConfig, rank: int) -> VllmConfig:
+    """The config a worker process holds: its own ``parallel_config.rank``."""
+    wcfg = copy.copy(cfg)
+    wcfg.parallel_config = copy.copy(cfg.parallel_config)
+    wcfg.parallel_config.rank = rank
+    return wcfg
+
+
+def build(cfg: VllmConfig, role: KVConnectorRole) -> Any:
+    return KVConnectorFactory.create_connector(cfg, role, kv_cache_config())
+
+
+# --- transport ---------------------------------------------------------------
+def shm_roundtrip(obj: Any) -> tuple[Any, int]:
+    """Pickle as ``MessageQueue.enqueue`` does, unpickle as ``dequeue`` does.
+
+    Returns the copy and the number of buffers that went out of band.
+    """
+    oob: list[Any] = []
+
+    def callback(buf: PickleBuffer) -> bool:
+        raw = buf.raw()
+        if len(raw) < OOB_THRESHOLD:
+            return True
+        oob.append(bytearray(raw))  # dequeue copies each one into a bytearray
+        return False
+
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
+    return pickle.loads(data, buffers=oob), len(oob)
+
+
+def worker_output(connector: Any, **fields: Any) -> ModelRunnerOutput:
+    """A worker's step output, built like ``KVConnectorModelRunnerMixin``."""
+    out = KVConnectorOutput(**fields)
+    out.kv_cache_events = connector.get_kv_connector_kv_cache_events()
+    out.kv_connector_worker_meta = connector.build_connector_worker_meta()
+    return ModelRunnerOutput.with_kv_conn_output_only(out)
+
+
+# --- publisher / subscriber --------------------------------------------------
+class Bus:
+    """A real ``ZmqEventPublisher`` on ipc:// and a SUB socket reading it."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="kvmerge-zmq-")
+        self.endpoint = f"ipc://{os.path.join(self._dir, 'pub')}"
+        self.publisher = ZmqEventPublisher(
+            data_parallel_rank=0,
+            endpoint=self.endpoint,
+            replay_endpoint=f"ipc://{os.path.join(self._dir, 'replay')}",
+            topic="kv",
+        )
+        self._ctx = zmq.Context.instance()
+        self.sub = self._ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self.sub.connect(self.endpoint)
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.last_seq: int | None = None
+        # Slow joiner: publish empty batches until the subscription is live.
+        deadline = time.monotonic() + 10
+        while True:
+            self.publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+            if self.sub.poll(100):
+                self._recv()
+                break
+            assert time.monotonic() < deadline, "subscriber never connected"
+        while self.sub.poll(200):  # drain the other warm-up batches
+            self._recv()
+
+    def _recv(self) -> KVEventBatch:
+        topic, seq_bytes, payload = self.sub.recv_multipart()
+        assert topic == b"kv"
+        seq = int.from_bytes(seq_bytes, "big")
+        if self.last_seq is not None:
+            assert seq == self.last_seq + 1, "gap in the publisher's sequence"
+        self.last_seq = seq
+        return self._decoder.decode(payload)
+
+    def publish(self, events: list[Any]) -> list[Any]:
+        """What the scheduler does with the step's events; returns them decoded."""
+        if not events:  # Scheduler: `if events: publish(...)`
+            return []
+        self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        while True:
+            assert self.sub.poll(10_000), "published batch never arrived"
+            batch = self._recv()
+            if batch.events:  # not a straggling warm-up batch
+                return list(batch.events)
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.publisher.shutdown()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# --- a cluster: one scheduler, world_size workers ------------------------------
+class Cluster:
+    def __init__(
+        self,
+        children: Sequence[Mapping[str, Any]],
+        bus: Bus,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        kv_events: bool = True,
+        **extra: Any,
+    ) -> None:
+        self.cfg = make_config(children, tp=tp, pp=pp, kv_events=kv_events, **extra)
+        self.world_size = self.cfg.parallel_config.world_size
+        self.scheduler = build(self.cfg, KVConnectorRole.SCHEDULER)
+        self.workers = [
+            build(worker_config(self.cfg, r), KVConnectorRole.WORKER)
+            for r in range(self.world_size)
+        ]
+        self.aggregator = KVOutputAggregator.from_connector(
+            self.scheduler, self.world_size
+        )
+        self.bus = bus
+        self.oob_buffers = 0
+
+    def children(self, role_or_rank: int | str) -> list[Any]:
+        conn = (
+            self.scheduler
+            if role_or_rank == "scheduler"
+            else self.workers[int(role_or_rank)]
+        )
+        return conn.sub_connectors
+
+    def emit(self, rank: int, lane: int, events: Sequence[Any] | None) -> None:
+        self.workers[rank].sub_connectors[lane].emit(events)
+
+    def aggregate(self, ranks: Sequence[int] | None = None, **fields: Any) -> Any:
+        """Every worker's output for one step, through the shm pickling and the
+        aggregator; returns the aggregated ``ModelRunnerOutput``."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        outputs = []
+        for r in ranks:
+            out, n_oob = shm_roundtrip(worker_output(self.workers[r], **fields))
+            self.oob_buffers += n_oob
+            outputs.append(out)
+        return self.aggregator.aggregate(outputs, output_rank=0)
+
+    def schedule(self, output: Any) -> list[Any]:
+        """The scheduler's part of ``update_from_output`` for the connector."""
+        kv_out = output.kv_connector_output if output is not None else None
+        if kv_out:
+            self.scheduler.update_connector_output(kv_out)
+        return list(self.scheduler.take_events())
+
+    def step(self, **fields: Any) -> list[Any]:
+        """One engine step; returns the published (decoded) events."""
+        return self.bus.publish(self.schedule(self.aggregate(**fields)))
