@@ -60,6 +60,12 @@ class EventBatch:
     def raw(self) -> list[msgspec.Raw]:
         """Each event's msgpack encoding, ready for a msgspec encoder."""
 
+    def kinds(self) -> list[str]:
+        """Each event's class name, without decoding."""
+
+    def take(self, indices: Sequence[int]) -> EventBatch:
+        """A new batch of the events at `indices`, in that order."""
+
     def identities(self) -> list[bytes]:
         """Each event's 16-byte identity."""
 
@@ -105,6 +111,9 @@ class Merger:
         """The number of the step now being collected."""
 
     def add(self, rank: int, batch: EventBatch) -> None: ...
+    def add_all(self, reports: Sequence[tuple[int, EventBatch]]) -> None:
+        """Add several ranks' batches at once: all of them, or none on error."""
+
     def finish_step(self) -> list[_Event]: ...
     def finish_step_raw(self) -> list[msgspec.Raw]: ...
     def finish_step_batch(self) -> EventBatch: ...

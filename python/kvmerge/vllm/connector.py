@@ -213,14 +213,19 @@ class _Lane:
                     )
         empty = _empty_batch()
         try:
-            for rank, _kind, payload, _factors in entries:
-                merger.add(rank, empty if payload is None else payload)
+            # All ranks of the step or none: a rejected report leaves the
+            # merger as it was.
+            merger.add_all(
+                [(rank, empty if p is None else p) for rank, _k, p, _f in entries]
+            )
             if self.invalidate is not None:
                 batch = merger.finish_step_batch()
-                decoded = batch.decode()
-                if decoded:
-                    self.invalidate(decoded)
-                self.out.extend(decoded if self.objects else batch.raw())
+                # The hook only reads removals: decode those alone.
+                kinds = batch.kinds()
+                removed = [i for i, k in enumerate(kinds) if k == "BlockRemoved"]
+                if removed:
+                    self.invalidate(batch.take(removed).decode())
+                self.out.extend(batch.decode() if self.objects else batch.raw())
             elif self.objects:
                 self.out.extend(merger.finish_step())
             else:

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvmerge_core::{Backing, Batch};
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::PyBufferError;
+use pyo3::exceptions::{PyBufferError, PyIndexError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyTuple};
@@ -118,6 +118,32 @@ impl PyEventBatch {
     /// Each event's msgpack encoding, ready for a msgspec encoder.
     fn raw<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         raw_events(slf)
+    }
+
+    /// Each event's class name ("BlockStored", "BlockRemoved", "AllBlocksCleared").
+    fn kinds(&self) -> Vec<&'static str> {
+        (0..self.inner.len())
+            .map(|i| self.inner.kind(i).name())
+            .collect()
+    }
+
+    /// A new batch of the events at `indices`, in that order (no decoding).
+    fn take(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<Self> {
+        let n = self.inner.len();
+        let idx = indices
+            .iter()
+            .map(|&i| {
+                usize::try_from(if i < 0 { i + n as i64 } else { i })
+                    .ok()
+                    .filter(|&i| i < n)
+                    .ok_or_else(|| {
+                        PyIndexError::new_err(format!("index {i} out of range for {n} events"))
+                    })
+            })
+            .collect::<PyResult<Vec<usize>>>()?;
+        let inner = &*self.inner;
+        let batch = without_gil(py, || Batch::gather(idx.iter().map(|&i| (inner, i))));
+        Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
     /// Each event's 16-byte identity.

@@ -112,6 +112,19 @@ impl PyMerger {
         without_gil(py, || self.lock().add(rank, batch)).map_err(|e| PyKvError::from(e).into())
     }
 
+    /// Add several ranks' batches at once: all of them, or none on error.
+    fn add_all(
+        &self,
+        py: Python<'_>,
+        reports: Vec<(i64, Bound<'_, PyEventBatch>)>,
+    ) -> PyResult<()> {
+        let reports: Vec<_> = reports
+            .into_iter()
+            .map(|(r, b)| (r, b.get().inner.clone()))
+            .collect();
+        without_gil(py, || self.lock().add_all(reports)).map_err(|e| PyKvError::from(e).into())
+    }
+
     fn finish_step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let out = Bound::new(py, PyEventBatch::new(self.finish(py)))?;
         PyEventBatch::decode(&out)

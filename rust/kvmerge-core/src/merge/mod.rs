@@ -89,12 +89,32 @@ impl Merger {
     /// Records `rank`'s batch for this step. Checks everything first, so a
     /// rejected call changes nothing.
     pub fn add(&mut self, rank: i64, batch: Arc<Batch>) -> Result<()> {
+        let r = self.check(rank, &batch, &[])?;
+        self.commit(r, batch);
+        Ok(())
+    }
+
+    /// Records several ranks' batches at once: all of them, or (on the first
+    /// error) none.
+    pub fn add_all(&mut self, reports: Vec<(i64, Arc<Batch>)>) -> Result<()> {
+        let mut ranks = Vec::with_capacity(reports.len());
+        for (rank, batch) in &reports {
+            ranks.push(self.check(*rank, batch, &ranks)?);
+        }
+        for (r, (_, batch)) in ranks.into_iter().zip(reports) {
+            self.commit(r, batch);
+        }
+        Ok(())
+    }
+
+    /// Validates one report; `also_taken` are ranks about to be added with it.
+    fn check(&self, rank: i64, batch: &Batch, also_taken: &[usize]) -> Result<usize> {
         let world_size = self.cfg.world_size;
         let r = usize::try_from(rank)
             .ok()
             .filter(|&r| r < world_size)
             .ok_or(Error::RankOutOfRange { rank, world_size })?;
-        if self.incoming[r].is_some() {
+        if self.incoming[r].is_some() || also_taken.contains(&r) {
             return Err(Error::DuplicateRank {
                 rank: r,
                 step: self.step,
@@ -114,10 +134,13 @@ impl Merger {
                 }
             }
         }
+        Ok(r)
+    }
+
+    fn commit(&mut self, r: usize, batch: Arc<Batch>) {
         self.stats.batches += 1;
         self.stats.reports += batch.len() as u64;
         self.incoming[r] = Some(batch);
-        Ok(())
     }
 
     /// Closes the step: returns the events that became complete, as one
@@ -201,7 +224,12 @@ impl Merger {
     fn expire(&mut self) {
         let horizon = self.cfg.max_pending_steps;
         for q in &mut self.queues {
-            while q.front().is_some_and(|r| r.step + horizon <= self.step) {
+            // Saturating: a horizon near u64::MAX means "never", not a wrap
+            // that would expire everything at once.
+            while q
+                .front()
+                .is_some_and(|r| r.step.saturating_add(horizon) <= self.step)
+            {
                 let r = q.pop_front().expect("front exists");
                 self.slots.release(r.slot);
                 self.stats.expired += 1;

@@ -141,6 +141,23 @@ fn rejected_calls_change_nothing() {
 }
 
 #[test]
+fn add_all_is_all_or_nothing() {
+    let mut m = merger(3, Rule::All, None, 3);
+    let b = || Arc::new(batch(&[removed(1)]));
+    assert!(matches!(
+        m.add_all(vec![(0, b()), (2, b()), (0, b())]),
+        Err(Error::DuplicateRank { rank: 0, .. })
+    ));
+    assert!(matches!(
+        m.add_all(vec![(1, b()), (3, b())]),
+        Err(Error::RankOutOfRange { rank: 3, .. })
+    ));
+    assert_eq!(m.stats(), Stats::default());
+    m.add_all(vec![(2, b()), (0, b()), (1, b())]).unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&[removed(1)]));
+}
+
+#[test]
 fn config_is_checked() {
     let bad = [
         MergerConfig::new(0, Rule::All),
@@ -300,5 +317,27 @@ proptest! {
             prop_assert_eq!(sa, sb);
             prop_assert_eq!(sa.reports, sa.consumed + sa.cleared + sa.expired + sa.pending);
         }
+    }
+}
+
+// -- regressions found by fuzzing (rust/kvmerge-fuzz, docs/robustness.md) ----
+
+/// fuzz `merger`, crash-833fab19: `step + max_pending_steps` overflowed
+/// (a panic with overflow checks, and without them a wrap that expired every
+/// report at once) once a report from step 1 met a horizon of `u64::MAX`.
+#[test]
+fn huge_horizon_never_expires() {
+    for horizon in [u64::MAX, u64::MAX - 1, u64::MAX / 2 + 2] {
+        let mut m = merger(2, Rule::All, None, horizon);
+        m.finish_step();
+        m.add(1, Arc::new(batch(&[removed(1), removed(2)])))
+            .unwrap();
+        for _ in 0..3 {
+            assert!(m.finish_step().is_empty());
+        }
+        let s = m.stats();
+        assert_eq!((s.pending, s.expired), (2, 0), "horizon {horizon}");
+        m.add(0, Arc::new(batch(&[removed(2)]))).unwrap();
+        assert_eq!(ids(&m.finish_step()), ids_of(&[removed(2)]));
     }
 }
