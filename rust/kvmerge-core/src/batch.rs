@@ -119,7 +119,10 @@ impl Batch {
         let n = r
             .read_array_len()
             .map_err(|e| Error::InvalidEvents(e.to_string()))?;
-        let mut out = Vec::with_capacity(HEADER_LEN + n.min(1 << 20) * RECORD_LEN + payload.len());
+        // The announced count is untrusted until the events are read: every
+        // event takes bytes of the payload, so its length bounds the count.
+        let records = n.min(payload.len()) * RECORD_LEN;
+        let mut out = Vec::with_capacity(HEADER_LEN + records + payload.len());
         out.resize(HEADER_LEN, 0);
         for index in 0..n {
             let start = r.pos();

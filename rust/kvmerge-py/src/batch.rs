@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use kvmerge_core::{Backing, Batch};
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyBufferError, PyIndexError};
+use pyo3::exceptions::{
+    PyBufferError, PyException, PyIndexError, PyOverflowError, PyTypeError, PyValueError,
+};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyTuple};
@@ -15,17 +17,46 @@ use crate::errors::{corrupt_batch, invalid_event, PyKvError};
 use crate::gil::without_gil;
 use crate::schema::schema;
 
-/// A received Python buffer (bytes, bytearray, a pickle buffer...), borrowed
-/// for as long as the batch lives.
+/// A received Python buffer whose memory cannot change (see
+/// `immutable_exporter`), borrowed for as long as the batch lives.
 struct Borrowed(PyUntypedBuffer);
 
-// SAFETY: the exporter keeps the memory in place while the buffer is held
-// (a held export also stops a bytearray from resizing), and the batch only
-// reads it.
+// SAFETY: only buffers of immutable exporters are borrowed: `bytes`, or an
+// `EventBatch` (itself backed by immutable memory), possibly seen through
+// memoryviews or a `PickleBuffer`. The held export keeps the exporter alive,
+// and nothing can write to its memory. Anything else (a `bytearray`, which
+// Python code may still modify in place while it is exported, a writable
+// memoryview, mmap, a zmq frame...) is copied instead.
 unsafe impl Backing for Borrowed {
     fn bytes(&self) -> &[u8] {
         unsafe { std::slice::from_raw_parts(self.0.buf_ptr() as *const u8, self.0.len_bytes()) }
     }
+}
+
+/// Whether the memory behind `obj`'s buffer is immutable for as long as it
+/// is exported: `bytes` and `EventBatch`, directly or through memoryviews
+/// and `PickleBuffer`s (what `pickle.loads(..., buffers=...)` passes on).
+fn immutable_exporter(obj: &Bound<'_, PyAny>) -> bool {
+    let mut obj = obj.clone();
+    // memoryview.obj of a view of a view names the original exporter; the
+    // bound only guards against exotic chains.
+    for _ in 0..4 {
+        if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyEventBatch>() {
+            return true;
+        }
+        let inner = if obj.is_instance_of::<PyMemoryView>() {
+            obj.getattr("obj")
+        } else if obj.get_type().name().is_ok_and(|n| n == "PickleBuffer") {
+            obj.call_method0("raw").and_then(|view| view.getattr("obj"))
+        } else {
+            return false;
+        };
+        match inner {
+            Ok(inner) if !inner.is_none() => obj = inner,
+            _ => return false,
+        }
+    }
+    false
 }
 
 #[pyclass(module = "kvmerge", frozen, name = "EventBatch")]
@@ -49,16 +80,13 @@ pub fn decode_events<'py>(
     payload: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let s = schema(py)?;
-    s.decoder
-        .bind(py)
-        .call_method1("decode", (payload,))
-        .map_err(|e| {
-            if e.is_instance(py, s.decode_error.bind(py)) {
-                corrupt_batch(py, format!("events do not decode: {}", e.value(py)))
-            } else {
-                e
-            }
-        })
+    s.decode.bind(py).call1((payload,)).map_err(|e| {
+        if e.is_instance(py, s.decode_error.bind(py)) {
+            corrupt_batch(py, format!("events do not decode: {}", e.value(py)))
+        } else {
+            e
+        }
+    })
 }
 
 /// One `msgspec.Raw` per event, each a view into the batch's buffer.
@@ -79,17 +107,17 @@ pub fn raw_events<'py>(slf: &Bound<'py, PyEventBatch>) -> PyResult<Bound<'py, Py
 
 #[pymethods]
 impl PyEventBatch {
-    /// Borrow a received buffer (bytes, bytearray, memoryview...) without copying.
+    /// Check a received buffer (bytes, bytearray, memoryview...) and make a
+    /// batch of it: without copying when its memory is immutable (bytes, or
+    /// a view of them), from a private copy otherwise.
     #[staticmethod]
     fn from_buffer(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let buf = PyUntypedBuffer::get(buffer).map_err(|e| {
-            corrupt_batch(
-                py,
-                format!(
-                    "expected a bytes-like object, got {}: {e}",
-                    type_name(buffer)
-                ),
-            )
+        // Not bytes-like at all: a wrong argument type, as for memoryview().
+        let buf = PyUntypedBuffer::get(buffer).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "EventBatch.from_buffer needs a bytes-like object, not {}",
+                type_name(buffer)
+            ))
         })?;
         if !buf.is_c_contiguous() || buf.item_size() != 1 {
             return Err(corrupt_batch(
@@ -97,8 +125,17 @@ impl PyEventBatch {
                 "the buffer is not contiguous bytes".into(),
             ));
         }
-        let batch = without_gil(py, || Batch::from_backing(Box::new(Borrowed(buf))))
-            .map_err(PyKvError::from)?;
+        let backing: Box<dyn Backing> = if immutable_exporter(buffer) {
+            Box::new(Borrowed(buf))
+        } else {
+            // Copied with the GIL held, so no Python thread writes meanwhile;
+            // once copied, later writes to the buffer cannot reach the batch.
+            // SAFETY: the export is held, contiguous, `len_bytes` long.
+            let bytes =
+                unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+            Box::new(bytes.to_vec())
+        };
+        let batch = without_gil(py, || Batch::from_backing(backing)).map_err(PyKvError::from)?;
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
@@ -128,21 +165,66 @@ impl PyEventBatch {
     }
 
     /// A new batch of the events at `indices`, in that order (no decoding).
-    fn take(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<Self> {
+    fn take(&self, py: Python<'_>, indices: Vec<Bound<'_, PyAny>>) -> PyResult<Self> {
         let n = self.inner.len();
+        let out_of_range = |i: &dyn std::fmt::Display| {
+            PyIndexError::new_err(format!("index {i} out of range for {n} events"))
+        };
         let idx = indices
             .iter()
-            .map(|&i| {
+            .map(|obj| {
+                // An int beyond i64 is out of range like any other.
+                let i = match obj.extract::<i64>() {
+                    Ok(i) => i,
+                    Err(e) if e.is_instance_of::<PyOverflowError>(py) => {
+                        return Err(out_of_range(obj))
+                    }
+                    Err(e) => return Err(e),
+                };
                 usize::try_from(if i < 0 { i + n as i64 } else { i })
                     .ok()
                     .filter(|&i| i < n)
-                    .ok_or_else(|| {
-                        PyIndexError::new_err(format!("index {i} out of range for {n} events"))
-                    })
+                    .ok_or_else(|| out_of_range(&i))
             })
             .collect::<PyResult<Vec<usize>>>()?;
+        // A batch holds at most 4 GiB of events (u32 offsets): refuse
+        // rather than let the gather fail on it.
+        let total: u64 = idx
+            .iter()
+            .map(|&i| self.inner.event_range(i).len() as u64)
+            .sum();
+        if total > u32::MAX as u64 {
+            return Err(PyValueError::new_err(format!(
+                "take: {total} bytes of events exceed one batch's 4 GiB limit"
+            )));
+        }
         let inner = &*self.inner;
         let batch = without_gil(py, || Batch::gather(idx.iter().map(|&i| (inner, i))));
+        Ok(PyEventBatch::new(Arc::new(batch)))
+    }
+
+    /// One batch of all the events of `batches`, in order, without decoding:
+    /// e.g. a rank's salvaged earlier output followed by its current one, to
+    /// add as that rank's single report of the step.
+    #[staticmethod]
+    fn concat(py: Python<'_>, batches: Vec<Bound<'_, PyEventBatch>>) -> PyResult<Self> {
+        let inners: Vec<Arc<Batch>> = batches.iter().map(|b| b.get().inner.clone()).collect();
+        if let [only] = &inners[..] {
+            return Ok(PyEventBatch::new(only.clone()));
+        }
+        let total: u64 = inners.iter().map(|b| b.payload().len() as u64).sum();
+        if total > u32::MAX as u64 {
+            return Err(PyValueError::new_err(format!(
+                "concat: {total} bytes of events exceed one batch's 4 GiB limit"
+            )));
+        }
+        let batch = without_gil(py, || {
+            let events: Vec<(&Batch, usize)> = inners
+                .iter()
+                .flat_map(|b| (0..b.len()).map(move |i| (&**b, i)))
+                .collect();
+            Batch::gather(events.iter().copied())
+        });
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
@@ -266,7 +348,7 @@ pub fn encode(py: Python<'_>, events: &Bound<'_, PyAny>) -> PyResult<PyEventBatc
     for (i, ev) in list.iter().enumerate() {
         // Exact classes: a subclass could carry fields the schema doesn't know.
         let ty = ev.get_type();
-        if !types.iter().any(|t| t.is(&ty)) {
+        let Some(kind) = types.iter().position(|t| t.is(&ty)) else {
             return Err(invalid_event(
                 py,
                 format!(
@@ -274,15 +356,81 @@ pub fn encode(py: Python<'_>, events: &Bound<'_, PyAny>) -> PyResult<PyEventBatc
                     type_name(&ev)
                 ),
             ));
-        }
+        };
+        check_containers(&ev, kind)
+            .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?;
     }
     let payload = s
         .encoder
         .bind(py)
         .call_method1("encode", (&list,))
-        .map_err(|e| invalid_event(py, format!("events do not encode: {}", e.value(py))))?;
+        .map_err(|e| {
+            // msgspec's refusals (unsupported types, ints beyond 64 bits,
+            // recursion) are bad events; KeyboardInterrupt and the like are not.
+            if e.is_instance_of::<PyException>(py) {
+                invalid_event(py, format!("events do not encode: {}", e.value(py)))
+            } else {
+                e
+            }
+        })?;
     let payload = payload.cast::<PyBytes>()?;
     let bytes: &[u8] = payload.as_bytes();
     let batch = without_gil(py, || Batch::encode(bytes)).map_err(PyKvError::from)?;
     Ok(PyEventBatch::new(Arc::new(batch)))
+}
+
+/// msgpack writes a list, a tuple or a set alike, and msgspec decodes each as
+/// the declared type: an event whose `list` field holds a tuple would come
+/// back different (`!=`) from what was encoded, with the same identity. So
+/// the container fields must have their declared types (`EVENT_TYPES` order:
+/// BlockStored, BlockRemoved, AllBlocksCleared). The insides of
+/// `extra_keys` entries are `Any`, written and read back as msgspec does.
+fn check_containers(ev: &Bound<'_, PyAny>, kind: usize) -> Result<(), String> {
+    let (name, lists): (&str, &[&str]) = match kind {
+        0 => ("BlockStored", &["block_hashes", "token_ids"]),
+        1 => ("BlockRemoved", &["block_hashes"]),
+        _ => return Ok(()),
+    };
+    let field = |f: &str| ev.getattr(f).map_err(|e| format!("{name}.{f}: {e}"));
+    let wrong = |f: &str, want: &str, got: &Bound<'_, PyAny>| {
+        format!("{name}.{f}: expected {want}, got {}", type_name(got))
+    };
+    for &f in lists {
+        let v = field(f)?;
+        if !v.is_instance_of::<PyList>() {
+            return Err(wrong(f, "a list", &v));
+        }
+    }
+    if kind != 0 {
+        return Ok(());
+    }
+    // Optional lists whose items must be of one container type.
+    for (f, item_is_tuple) in [("extra_keys", true), ("lookahead_token_ids", false)] {
+        let v = field(f)?;
+        if v.is_none() {
+            continue;
+        }
+        let Ok(items) = v.cast::<PyList>() else {
+            return Err(wrong(f, "a list or None", &v));
+        };
+        for (j, item) in items.iter().enumerate() {
+            let ok = if item_is_tuple {
+                item.is_none() || item.is_instance_of::<PyTuple>()
+            } else {
+                item.is_instance_of::<PyList>()
+            };
+            if !ok {
+                let want = if item_is_tuple {
+                    "a tuple or None"
+                } else {
+                    "a list"
+                };
+                return Err(format!(
+                    "{name}.{f}: item {j}: expected {want}, got {}",
+                    type_name(&item)
+                ));
+            }
+        }
+    }
+    Ok(())
 }

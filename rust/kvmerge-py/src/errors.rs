@@ -112,3 +112,7 @@ pub fn corrupt_batch(py: Python<'_>, message: String) -> PyErr {
 pub fn config(py: Python<'_>, message: String) -> PyErr {
     raise(config_error(py), message)
 }
+
+pub fn rank_out_of_range(py: Python<'_>, message: String) -> PyErr {
+    raise(rank_error(py), message)
+}

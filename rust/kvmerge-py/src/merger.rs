@@ -2,12 +2,14 @@
 
 use std::sync::{Arc, Mutex};
 
+use kvmerge_core::merge::MAX_WORLD_SIZE;
 use kvmerge_core::{Merger, MergerConfig, Rule, Stats};
+use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::batch::{raw_events, PyEventBatch};
-use crate::errors::{config, PyKvError};
+use crate::errors::{config, rank_out_of_range, PyKvError};
 use crate::gil::without_gil;
 
 /// Merges per-rank event batches into events published once.
@@ -19,6 +21,20 @@ pub struct PyMerger {
 }
 
 impl PyMerger {
+    /// A rank as the core takes it; a Python int beyond i64 is outside every
+    /// world, so it gets the core's RankError rather than OverflowError.
+    fn rank_arg(&self, rank: &Bound<'_, PyAny>) -> PyResult<i64> {
+        int_arg::<i64>(rank)?.ok_or_else(|| {
+            rank_out_of_range(
+                rank.py(),
+                format!(
+                    "rank {rank} is outside the world [0, {})",
+                    self.lock().config().world_size
+                ),
+            )
+        })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Merger> {
         // A panic inside the core leaves the guard poisoned; the state it
         // protects is still consistent, as every mutation validates first.
@@ -33,36 +49,51 @@ impl PyMerger {
 #[pymethods]
 impl PyMerger {
     #[new]
-    #[pyo3(signature = (world_size, rule = "all", replication_factors = None, max_pending_steps = 32))]
+    // `max_pending_steps` arrives as any object (None: the default, 32) so
+    // that an int beyond u64 can be refused as a ConfigError.
+    #[pyo3(
+        signature = (world_size, rule = "all", replication_factors = None, max_pending_steps = None),
+        text_signature = "(world_size, rule='all', replication_factors=None, max_pending_steps=32)"
+    )]
     fn new(
         py: Python<'_>,
-        world_size: i64,
+        world_size: &Bound<'_, PyAny>,
         rule: &str,
-        replication_factors: Option<Vec<i64>>,
-        max_pending_steps: i64,
+        replication_factors: Option<Vec<Bound<'_, PyAny>>>,
+        max_pending_steps: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let world_size = usize::try_from(world_size).map_err(|_| {
+        let default_pending = 32u64.into_pyobject(py)?.into_any();
+        let max_pending_steps = max_pending_steps.unwrap_or(&default_pending);
+        // Integers beyond the machine's range are bad settings like any
+        // other (ConfigError), not OverflowError; non-integers stay TypeError.
+        let world_size = int_arg::<usize>(world_size)?.ok_or_else(|| {
             config(
                 py,
-                format!("world_size must be at least 1, got {world_size}"),
+                format!("world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}"),
             )
         })?;
         let rule: Rule = rule.parse().map_err(PyKvError::from)?;
-        let max_pending_steps = u64::try_from(max_pending_steps).map_err(|_| {
+        let max_pending_steps = int_arg::<u64>(max_pending_steps)?.ok_or_else(|| {
             config(
                 py,
-                format!("max_pending_steps must be 0 or more, got {max_pending_steps}"),
+                format!(
+                    "max_pending_steps must be between 0 and {}, got {max_pending_steps}",
+                    u64::MAX
+                ),
             )
         })?;
         let replication_factors = replication_factors
             .map(|fs| {
                 fs.iter()
                     .enumerate()
-                    .map(|(g, &f)| {
-                        u32::try_from(f).ok().filter(|&f| f >= 1).ok_or_else(|| {
+                    .map(|(g, f)| {
+                        int_arg::<u32>(f)?.filter(|&f| f >= 1).ok_or_else(|| {
                             config(
                                 py,
-                                format!("replication_factors[{g}] is {f}, must be at least 1"),
+                                format!(
+                                    "replication_factors[{g}] is {f}, must be between 1 and {}",
+                                    u32::MAX
+                                ),
                             )
                         })
                     })
@@ -107,7 +138,13 @@ impl PyMerger {
         self.lock().step()
     }
 
-    fn add(&self, py: Python<'_>, rank: i64, batch: &Bound<'_, PyEventBatch>) -> PyResult<()> {
+    fn add(
+        &self,
+        py: Python<'_>,
+        rank: &Bound<'_, PyAny>,
+        batch: &Bound<'_, PyEventBatch>,
+    ) -> PyResult<()> {
+        let rank = self.rank_arg(rank)?;
         let batch = batch.get().inner.clone();
         without_gil(py, || self.lock().add(rank, batch)).map_err(|e| PyKvError::from(e).into())
     }
@@ -116,12 +153,12 @@ impl PyMerger {
     fn add_all(
         &self,
         py: Python<'_>,
-        reports: Vec<(i64, Bound<'_, PyEventBatch>)>,
+        reports: Vec<(Bound<'_, PyAny>, Bound<'_, PyEventBatch>)>,
     ) -> PyResult<()> {
-        let reports: Vec<_> = reports
+        let reports = reports
             .into_iter()
-            .map(|(r, b)| (r, b.get().inner.clone()))
-            .collect();
+            .map(|(r, b)| Ok((self.rank_arg(&r)?, b.get().inner.clone())))
+            .collect::<PyResult<Vec<_>>>()?;
         without_gil(py, || self.lock().add_all(reports)).map_err(|e| PyKvError::from(e).into())
     }
 
@@ -158,6 +195,25 @@ impl PyMerger {
             c.max_pending_steps,
             m.step()
         )
+    }
+}
+
+/// `obj` as a `T`: `Ok(None)` for an int outside `T`'s range, the usual
+/// `TypeError` for anything that is not an int.
+fn int_arg<'py, T>(obj: &Bound<'py, PyAny>) -> PyResult<Option<T>>
+where
+    T: for<'a> FromPyObject<'a, 'py>,
+{
+    match obj.extract::<T>() {
+        Ok(v) => Ok(Some(v)),
+        Err(e) => {
+            let e: PyErr = e.into();
+            if e.is_instance_of::<PyOverflowError>(obj.py()) {
+                Ok(None)
+            } else {
+                Err(e)
+            }
+        }
     }
 }
 

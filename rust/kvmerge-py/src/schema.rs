@@ -8,7 +8,7 @@ use pyo3::types::PyTuple;
 pub struct Schema {
     pub event_types: Py<PyTuple>,
     pub encoder: Py<PyAny>,
-    pub decoder: Py<PyAny>,
+    pub decode: Py<PyAny>,
     pub raw: Py<PyAny>,
     pub decode_error: Py<PyAny>,
 }
@@ -21,7 +21,7 @@ pub fn schema(py: Python<'_>) -> PyResult<&Schema> {
         Ok(Schema {
             event_types: m.getattr("EVENT_TYPES")?.cast_into::<PyTuple>()?.unbind(),
             encoder: m.getattr("ENCODER")?.unbind(),
-            decoder: m.getattr("DECODER")?.unbind(),
+            decode: m.getattr("decode")?.unbind(),
             raw: m.getattr("Raw")?.unbind(),
             decode_error: m.getattr("DecodeError")?.unbind(),
         })

@@ -36,6 +36,13 @@ impl std::str::FromStr for Rule {
     }
 }
 
+/// The largest world a merger accepts. The merger allocates per-rank state
+/// up front (and its scratch grows with `world_size` per distinct event), so
+/// an absurd world size must be refused, not attempted: an allocation that
+/// large aborts the process. vLLM's largest TP x PP x PCP worlds are far
+/// below this.
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MergerConfig {
     pub world_size: usize,
@@ -56,15 +63,9 @@ impl MergerConfig {
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.world_size < 1 {
+        if !(1..=MAX_WORLD_SIZE).contains(&self.world_size) {
             return Err(Error::Config(format!(
-                "world_size must be at least 1, got {}",
-                self.world_size
-            )));
-        }
-        if self.world_size > u32::MAX as usize {
-            return Err(Error::Config(format!(
-                "world_size {} is too large",
+                "world_size must be between 1 and {MAX_WORLD_SIZE}, got {}",
                 self.world_size
             )));
         }

@@ -12,7 +12,7 @@ mod union;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-pub use config::{MergerConfig, Rule};
+pub use config::{MergerConfig, Rule, MAX_WORLD_SIZE};
 pub use stats::Stats;
 
 use crate::batch::Batch;

@@ -190,6 +190,15 @@ fn any_is_an_ordered_union() {
     );
     m.add(1, Arc::new(batch(&[removed(1)]))).unwrap();
     assert_eq!(ids(&m.finish_step()), ids_of(&[removed(1)]));
+    // Only consecutive clears collapse.
+    m.add(0, Arc::new(batch(&[clear(), removed(1), clear()])))
+        .unwrap();
+    m.add(1, Arc::new(batch(&[clear(), removed(1), clear()])))
+        .unwrap();
+    assert_eq!(
+        ids(&m.finish_step()),
+        ids_of(&[clear(), removed(1), clear()])
+    );
 }
 
 /// Same-step multiset intersection, the rule without pending state or
@@ -340,4 +349,20 @@ fn huge_horizon_never_expires() {
         m.add(0, Arc::new(batch(&[removed(2)]))).unwrap();
         assert_eq!(ids(&m.finish_step()), ids_of(&[removed(2)]));
     }
+}
+
+/// Found with the bad-input table (docs/robustness.md), not the fuzzer:
+/// `Merger(world_size=2**31)` passed validation (the bound was u32::MAX) and
+/// the per-rank allocation then aborted the whole process.
+#[test]
+fn world_size_is_bounded() {
+    for w in [MAX_WORLD_SIZE + 1, u32::MAX as usize, usize::MAX] {
+        let err = Merger::new(MergerConfig::new(w, Rule::All)).err();
+        assert!(
+            matches!(&err, Some(Error::Config(m)) if m.contains("world_size")),
+            "{w}: {err:?}"
+        );
+    }
+    let m = Merger::new(MergerConfig::new(MAX_WORLD_SIZE, Rule::Any)).unwrap();
+    assert_eq!(m.config().world_size, MAX_WORLD_SIZE);
 }

@@ -22,19 +22,23 @@ pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
     };
     let longest = walk.iter().map(|b| b.len()).max().unwrap_or(0);
     let mut seen = IdentitySet::default();
-    let mut cleared = false;
+    // Consecutive clears collapse; a clear after anything else is published,
+    // or a subscriber would keep what a rank cleared.
+    let mut last_was_clear = false;
     let mut out: Vec<(&Batch, usize)> = Vec::new();
     for i in 0..longest {
         for b in walk.iter().filter(|b| i < b.len()) {
             let publish = if b.kind(i) == EventKind::AllBlocksCleared {
-                let first_clear = !cleared;
-                if first_clear {
-                    cleared = true;
+                let publish = !last_was_clear;
+                if publish {
+                    last_was_clear = true;
                     seen.clear();
                 }
-                first_clear
+                publish
             } else {
-                seen.insert(b.identity(i))
+                let new = seen.insert(b.identity(i));
+                last_was_clear &= !new;
+                new
             };
             if publish {
                 out.push((b, i));

@@ -1,0 +1,19 @@
+"""Hypothesis settings profiles (select one with HYPOTHESIS_PROFILE).
+
+The default "ci" profile keeps the core suite well under two minutes on a
+two-core machine; "dev" is quicker still, "thorough" is for hunting bugs.
+Deadlines are off: the first call of a test imports vLLM and torch.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+_common = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("ci", max_examples=150, **_common)
+settings.register_profile("dev", max_examples=30, **_common)
+settings.register_profile("thorough", max_examples=2000, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
