@@ -50,7 +50,7 @@ class EventBatch:
 
     @staticmethod
     def from_buffer(buffer: Any) -> EventBatch:
-        """Borrow a received buffer (bytes, bytearray, memoryview) without copying."""
+        """A batch of a received buffer: borrowed if immutable (bytes), else copied."""
 
     @staticmethod
     def empty() -> EventBatch: ...
@@ -65,6 +65,10 @@ class EventBatch:
 
     def take(self, indices: Sequence[int]) -> EventBatch:
         """A new batch of the events at `indices`, in that order."""
+
+    @staticmethod
+    def concat(batches: Sequence[EventBatch]) -> EventBatch:
+        """One batch of all the events of `batches`, in order, without decoding."""
 
     def identities(self) -> list[bytes]:
         """Each event's 16-byte identity."""

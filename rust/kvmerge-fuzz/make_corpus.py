@@ -12,9 +12,10 @@ scratch, so the output only changes when this file or the wire format does:
 import shutil
 from pathlib import Path
 
-import kvmerge
 import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+import kvmerge
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,12 +77,19 @@ EVENT_LISTS = {
     "long_tokens": [stored(4, token_ids=list(range(300)))],
 }
 
+# Payloads that are not event lists. Found by the fuzzer (docs/robustness.md,
+# oom-e0710e8d): a count of 1.9 billion events in 5 bytes made encode reserve
+# 40 MiB up front.
+RAW_PAYLOADS = {"regress_oversized_count": bytes.fromhex("dd6ff93fff")}
+
 # Op sequences for the merger target: config bytes, then ops.
 ADD = lambda rank, pool: bytes([(rank << 4) | pool])  # noqa: E731
 FINISH, RESET = b"\xa0", b"\xe0"
 ALL, QUORUM, ANY = 0 << 2, 1 << 2, 2 << 2
 MERGER_SEEDS = {
-    "all_identical": bytes([ALL | 3, 2]) + b"".join(ADD(r, 2) for r in range(4)) + FINISH,
+    "all_identical": bytes([ALL | 3, 2])
+    + b"".join(ADD(r, 2) for r in range(4))
+    + FINISH,
     "all_late_rank": bytes([ALL | 1, 1])
     + ADD(0, 13)
     + FINISH
@@ -112,8 +120,18 @@ MERGER_SEEDS = {
     + ADD(1, 1)
     + FINISH,
     "bad_ranks": bytes([ALL | 0, 0]) + ADD(8, 1) + ADD(9, 1) + ADD(5, 1) + FINISH,
-    # Found by the fuzzer (docs/robustness.md): step + u64::MAX overflowed.
-    "regress_horizon_overflow": bytes.fromhex("01ffffffffa012a0"),
+    "add_all_duplicate_rank": bytes([ALL | 2, 2])
+    + b"\xf1"
+    + ADD(0, 1)
+    + ADD(0, 2)
+    + b"\xf2"
+    + ADD(0, 1)
+    + ADD(1, 1)
+    + ADD(2, 1)
+    + FINISH,
+    # Found by the fuzzer (docs/robustness.md): step + u64::MAX overflowed
+    # (crash-833fab19: 01ffffffffa012a0, rewritten for the add_all op).
+    "regress_horizon_overflow": bytes.fromhex("01ffa012a0"),
 }
 
 
@@ -128,6 +146,8 @@ def main():
     for name, events in EVENT_LISTS.items():
         write("decode_batch", name, bytes(kvmerge.encode(events)))
         write("encode_payload", name, msgspec.msgpack.encode(events))
+    for name, payload in RAW_PAYLOADS.items():
+        write("encode_payload", name, payload)
     for name, ops in MERGER_SEEDS.items():
         write("merger", name, ops)
 

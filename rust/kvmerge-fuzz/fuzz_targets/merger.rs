@@ -8,7 +8,8 @@
 //!         quorum factors `[1 + (b >> 3 & 3), 1 + (b >> 5 & 3)]`;
 //! then one op per byte: `< 0xa0`: add pool batch `b & 15` as rank `b >> 4`
 //! (ranks 8 and 9 stand for -1 and i64::MAX), `0xa0..0xe0`: finish_step,
-//! `>= 0xe0`: reset.
+//! `0xe0..0xf0`: reset, `>= 0xf0`: `add_all` of the `1 + (b & 3)` reports
+//! that the next bytes encode as an add does (missing bytes: fewer reports).
 //!
 //! Checked after every op, on twin mergers fed the same calls (one closing
 //! steps with `finish_step`, the other with `finish_step_general`, which
@@ -151,15 +152,19 @@ fuzz_target!(|data: &[u8]| {
     let mut model = Reference::new(w, rule, factors, pending);
     let pool = pool();
 
-    for &op in ops {
+    let report = |b: u8| {
+        let rank = match b >> 4 {
+            8 => -1,
+            9 => i64::MAX,
+            r => r as i64,
+        };
+        (rank, &pool[(b & 15) as usize])
+    };
+    let mut ops = ops.iter().copied();
+    while let Some(op) = ops.next() {
         match op {
             0x00..=0x9f => {
-                let rank = match op >> 4 {
-                    8 => -1,
-                    9 => i64::MAX,
-                    r => r as i64,
-                };
-                let p = &pool[(op & 15) as usize];
+                let (rank, p) = report(op);
                 let before = fast.stats();
                 let a = fast.add(rank, p.batch.clone());
                 let b = general.add(rank, p.batch.clone());
@@ -168,6 +173,34 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(a.as_ref().map_err(rejected).err(), m.err());
                 if a.is_err() {
                     assert_eq!(fast.stats(), before, "a refused add changed the counters");
+                }
+            }
+            0xf0..=0xff => {
+                let reports: Vec<(i64, &Pooled)> = ops
+                    .by_ref()
+                    .take(1 + (op & 3) as usize)
+                    .map(report)
+                    .collect();
+                let batches = || -> Vec<(i64, Arc<Batch>)> {
+                    reports.iter().map(|(r, p)| (*r, p.batch.clone())).collect()
+                };
+                let before = fast.stats();
+                let a = fast.add_all(batches());
+                let b = general.add_all(batches());
+                let m = model.add_all(
+                    reports
+                        .iter()
+                        .map(|(r, p)| (*r, p.events.clone()))
+                        .collect(),
+                );
+                assert_eq!(a, b);
+                assert_eq!(a.as_ref().map_err(rejected).err(), m.err());
+                if a.is_err() {
+                    assert_eq!(
+                        fast.stats(),
+                        before,
+                        "a refused add_all changed the counters"
+                    );
                 }
             }
             0xa0..=0xdf => {
@@ -181,7 +214,7 @@ fuzz_target!(|data: &[u8]| {
                 let again = Batch::from_vec(x.bytes().to_vec()).expect("output validates");
                 assert_eq!(again.len(), x.len());
             }
-            _ => {
+            0xe0..=0xef => {
                 fast.reset();
                 general.reset();
                 model.reset();

@@ -36,6 +36,9 @@ unsafe impl Backing for Borrowed {
 /// Whether the memory behind `obj`'s buffer is immutable for as long as it
 /// is exported: `bytes` and `EventBatch`, directly or through memoryviews
 /// and `PickleBuffer`s (what `pickle.loads(..., buffers=...)` passes on).
+/// A `bytearray` is not: Python code could still write it while the merge
+/// reads it without the GIL. Nor is Ray's `SubBuffer`: the same type views
+/// sealed plasma objects and reusable compiled-graph channels.
 fn immutable_exporter(obj: &Bound<'_, PyAny>) -> bool {
     let mut obj = obj.clone();
     // memoryview.obj of a view of a view names the original exporter; the

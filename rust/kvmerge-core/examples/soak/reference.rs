@@ -96,25 +96,38 @@ impl Reference {
     }
 
     pub fn add(&mut self, rank: i64, events: Vec<Event>) -> Result<(), Rejected> {
-        if rank < 0 || rank as u64 >= self.world_size as u64 {
-            return Err(Rejected::Rank);
-        }
-        let rank = rank as usize;
-        if self.incoming[rank].is_some() {
-            return Err(Rejected::DuplicateRank);
-        }
-        if let (Rule::Quorum, Some(factors)) = (self.rule, &self.factors) {
-            for e in &events {
-                if let Kind::Stored { group: Some(g) } = e.kind {
-                    if g < 0 || g as u64 >= factors.len() as u64 {
-                        return Err(Rejected::Group);
+        self.add_all(vec![(rank, events)])
+    }
+
+    /// Several ranks' batches: all of them, or none if any is refused (the
+    /// first refusal in list order is reported).
+    pub fn add_all(&mut self, reports: Vec<(i64, Vec<Event>)>) -> Result<(), Rejected> {
+        let mut taken: Vec<usize> = Vec::new();
+        for (rank, events) in &reports {
+            let rank = *rank;
+            if rank < 0 || rank as u64 >= self.world_size as u64 {
+                return Err(Rejected::Rank);
+            }
+            let rank = rank as usize;
+            if self.incoming[rank].is_some() || taken.contains(&rank) {
+                return Err(Rejected::DuplicateRank);
+            }
+            if let (Rule::Quorum, Some(factors)) = (self.rule, &self.factors) {
+                for e in events {
+                    if let Kind::Stored { group: Some(g) } = e.kind {
+                        if g < 0 || g as u64 >= factors.len() as u64 {
+                            return Err(Rejected::Group);
+                        }
                     }
                 }
             }
+            taken.push(rank);
         }
-        self.counters.batches += 1;
-        self.counters.reports += events.len() as u64;
-        self.incoming[rank] = Some(events);
+        for (rank, events) in reports {
+            self.counters.batches += 1;
+            self.counters.reports += events.len() as u64;
+            self.incoming[rank as usize] = Some(events);
+        }
         Ok(())
     }
 
@@ -150,7 +163,8 @@ impl Reference {
         out
     }
 
-    /// Rule "any": walk the step's reports by (index, rank).
+    /// Rule "any": walk the step's reports by (index, rank); a clear is
+    /// published unless the last event published in the step is a clear.
     fn union(&mut self) -> Vec<Identity> {
         let mut reports: Vec<(usize, usize, Event)> = Vec::new();
         for (rank, events) in self.incoming.iter().enumerate() {
@@ -161,21 +175,20 @@ impl Reference {
         reports.sort_by_key(|&(idx, rank, _)| (idx, rank));
         self.counters.consumed += reports.len() as u64;
         let mut seen: Vec<Identity> = Vec::new();
-        let mut cleared = false;
-        let mut out = Vec::new();
+        let mut out: Vec<(Identity, bool)> = Vec::new();
         for (_, _, e) in reports {
-            if e.kind == Kind::Cleared {
-                if !cleared {
-                    cleared = true;
+            let clear = e.kind == Kind::Cleared;
+            if clear {
+                if out.last().is_none_or(|&(_, was_clear)| !was_clear) {
                     seen.clear();
-                    out.push(e.id);
+                    out.push((e.id, true));
                 }
             } else if !seen.contains(&e.id) {
                 seen.push(e.id);
-                out.push(e.id);
+                out.push((e.id, false));
             }
         }
-        out
+        out.into_iter().map(|(id, _)| id).collect()
     }
 
     fn factor(&self, e: &Event) -> u64 {
@@ -203,10 +216,14 @@ impl Reference {
             let mut by_id: HashMap<Identity, Vec<Vec<usize>>> = HashMap::new();
             for (r, q) in self.queues.iter().enumerate() {
                 for (i, rep) in q[..fence[r]].iter().enumerate() {
-                    by_id.entry(rep.event.id).or_insert_with(|| vec![Vec::new(); w])[r].push(i);
+                    by_id
+                        .entry(rep.event.id)
+                        .or_insert_with(|| vec![Vec::new(); w])[r]
+                        .push(i);
                 }
             }
-            let mut used: Vec<Vec<bool>> = self.queues.iter().map(|q| vec![false; q.len()]).collect();
+            let mut used: Vec<Vec<bool>> =
+                self.queues.iter().map(|q| vec![false; q.len()]).collect();
             let mut done: Vec<(Position, Identity)> = Vec::new();
             for (id, per_rank) in &by_id {
                 match self.rule {

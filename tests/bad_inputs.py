@@ -1,0 +1,266 @@
+"""Every bad input tried on kvmerge's Python surface, and what the caller gets.
+
+Prints the table of docs/robustness.md ("What a bad input gets") from a real
+run; ``test_fuzz_surface.py`` checks that the document shows this output.
+
+    python tests/bad_inputs.py > /tmp/table.md
+
+Each case is a call that must be refused: the table gives the exception's
+class (and the standard class it also is) and its exact message. A case that
+is accepted, or that fails with anything but a kvmerge error or a
+``TypeError``/``IndexError`` for a wrong argument type, is printed as such
+and makes ``check()`` fail.
+"""
+
+from __future__ import annotations
+
+import array
+import pickle
+from collections.abc import Callable
+
+import msgspec
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+import kvmerge
+from kvmerge import EventBatch, Merger
+
+
+def stored(**fields) -> BlockStored:
+    base = dict(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[1, 2],
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    return BlockStored(**{**base, **fields})
+
+
+class OtherEvent(msgspec.Struct, tag=True):
+    block_hashes: list[int]
+
+
+class MyRemoved(BlockRemoved, tag="BlockRemoved"):
+    pass
+
+
+def nested(depth: int) -> list:
+    x: list = []
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+def recursive() -> list:
+    x: list = []
+    x.append(x)
+    return x
+
+
+def good() -> bytes:
+    return bytes(
+        kvmerge.encode([stored(), BlockRemoved(block_hashes=[2], medium=None)])
+    )
+
+
+def edit(at: int, value: int) -> bytes:
+    b = bytearray(good())
+    b[at] = value
+    return bytes(b)
+
+
+def flip_payload_bit() -> bytes:
+    b = bytearray(good())
+    b[-3] ^= 0x01
+    return bytes(b)
+
+
+def oob_pickle_with(buffer: bytes) -> Callable[[], object]:
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(kvmerge.encode([stored()]), 5, buffer_callback=buffers.append)
+    return lambda: pickle.loads(data, buffers=[bytearray(buffer)])
+
+
+def merger_then(
+    call: Callable[[Merger], object], *args, **kwargs
+) -> Callable[[], object]:
+    def run() -> object:
+        m = Merger(*args, **kwargs)
+        m.add(0, kvmerge.encode([stored()]))
+        return call(m)
+
+    return run
+
+
+B = kvmerge.encode
+CASES: list[tuple[str, Callable[[], object]]] = [
+    # -- encode: not a list of events
+    ("encode('BlockStored')", lambda: B("BlockStored")),
+    ("encode(b'...')", lambda: B(b"\x91\x80")),
+    ("encode(42)", lambda: B(42)),
+    (
+        "encode(AllBlocksCleared())  # an event, not a list",
+        lambda: B(AllBlocksCleared()),
+    ),
+    (
+        "encode([{'type': 'AllBlocksCleared'}])",
+        lambda: B([{"type": "AllBlocksCleared"}]),
+    ),
+    ("encode([None])", lambda: B([None])),
+    ("encode([AllBlocksCleared])  # the class", lambda: B([AllBlocksCleared])),
+    (
+        "encode([OtherEvent([1])])  # another msgspec struct",
+        lambda: B([OtherEvent([1])]),
+    ),
+    (
+        "encode([MyRemoved([1], None)])  # a subclass",
+        lambda: B([MyRemoved(block_hashes=[1], medium=None)]),
+    ),
+    # -- encode: vLLM events with wrong field values
+    ("block_hashes=(1, 2)  # a tuple", lambda: B([stored(block_hashes=(1, 2))])),
+    ("block_hashes=None", lambda: B([stored(block_hashes=None)])),
+    ("block_hashes=[1.5]", lambda: B([stored(block_hashes=[1.5])])),
+    ("block_hashes=['a']", lambda: B([stored(block_hashes=["a"])])),
+    ("block_hashes=[2**64]", lambda: B([stored(block_hashes=[2**64])])),
+    ("block_hashes=[-(2**63) - 1]", lambda: B([stored(block_hashes=[-(2**63) - 1])])),
+    ("parent_block_hash=1.0", lambda: B([stored(parent_block_hash=1.0)])),
+    ("token_ids=[True]", lambda: B([stored(token_ids=[True])])),
+    ("token_ids=[float('nan')]", lambda: B([stored(token_ids=[float("nan")])])),
+    ("token_ids=range(3)", lambda: B([stored(token_ids=range(3))])),
+    ("block_size='16'", lambda: B([stored(block_size="16")])),
+    ("block_size=2**70", lambda: B([stored(block_size=2**70)])),
+    ("medium=3", lambda: B([stored(medium=3)])),
+    ("lora_name=b'x'", lambda: B([stored(lora_name=b"x")])),
+    ("group_idx='0'", lambda: B([stored(group_idx="0")])),
+    ("extra_keys=[['a', 1]]  # list entry", lambda: B([stored(extra_keys=[["a", 1]])])),
+    (
+        "extra_keys=(('a',),)  # tuple of entries",
+        lambda: B([stored(extra_keys=(("a",),))]),
+    ),
+    ("extra_keys=[(object(),)]", lambda: B([stored(extra_keys=[(object(),)])])),
+    (
+        "extra_keys=[(x,)] with x = [x]",
+        lambda: B([stored(extra_keys=[(recursive(),)])]),
+    ),
+    (
+        "extra_keys=[(40 nested lists,)]",
+        lambda: B([stored(extra_keys=[(nested(40),)])]),
+    ),
+    ("lookahead_token_ids=[(1,)]", lambda: B([stored(lookahead_token_ids=[(1,)])])),
+    ("lookahead_token_ids=[[1.0]]", lambda: B([stored(lookahead_token_ids=[[1.0]])])),
+    (
+        "BlockRemoved(block_hashes=[1], medium=b'GPU')",
+        lambda: B([BlockRemoved(block_hashes=[1], medium=b"GPU")]),
+    ),
+    # -- received buffers
+    ("from_buffer(b'')", lambda: EventBatch.from_buffer(b"")),
+    ("from_buffer(24 bytes of 'x')", lambda: EventBatch.from_buffer(b"x" * 24)),
+    (
+        "from_buffer(msgspec bytes of events)",
+        lambda: EventBatch.from_buffer(msgspec.msgpack.encode([stored()]) * 2),
+    ),
+    ("from_buffer: version byte 2", lambda: EventBatch.from_buffer(edit(4, 2))),
+    ("from_buffer: reserved byte set", lambda: EventBatch.from_buffer(edit(6, 1))),
+    ("from_buffer: event count + 1", lambda: EventBatch.from_buffer(edit(8, 3))),
+    ("from_buffer: last byte cut", lambda: EventBatch.from_buffer(good()[:-1])),
+    ("from_buffer: one byte appended", lambda: EventBatch.from_buffer(good() + b"\0")),
+    (
+        "from_buffer: one payload bit flipped",
+        lambda: EventBatch.from_buffer(flip_payload_bit()),
+    ),
+    ("from_buffer('text')", lambda: EventBatch.from_buffer("text")),
+    ("from_buffer(None)", lambda: EventBatch.from_buffer(None)),
+    (
+        "from_buffer(memoryview(...)[::2])",
+        lambda: EventBatch.from_buffer(memoryview(good())[::2]),
+    ),
+    (
+        "from_buffer(array('I', ...))",
+        lambda: EventBatch.from_buffer(array.array("I", good()[:24])),
+    ),
+    ("pickle.loads(batch, buffers=[damaged])", oob_pickle_with(flip_payload_bit())),
+    ("pickle.loads(batch, buffers=[b''])", oob_pickle_with(b"")),
+    # -- Merger settings
+    ("Merger(0)", lambda: Merger(0)),
+    ("Merger(-3)", lambda: Merger(-3)),
+    ("Merger(2**31)", lambda: Merger(2**31)),
+    ("Merger(2**70)", lambda: Merger(2**70)),
+    ("Merger('2')", lambda: Merger("2")),
+    ("Merger(2.0)", lambda: Merger(2.0)),
+    ("Merger(2, 'majority')", lambda: Merger(2, "majority")),
+    ("Merger(2, 'quorum')", lambda: Merger(2, "quorum")),
+    ("Merger(2, 'quorum', [1, 0])", lambda: Merger(2, "quorum", [1, 0])),
+    ("Merger(2, 'quorum', [2**40])", lambda: Merger(2, "quorum", [2**40])),
+    ("Merger(2, 'quorum', ['1'])", lambda: Merger(2, "quorum", ["1"])),
+    ("Merger(2, 'all', [1])", lambda: Merger(2, "all", [1])),
+    ("Merger(2, 'any', [1])", lambda: Merger(2, "any", [1])),
+    ("Merger(2, max_pending_steps=-1)", lambda: Merger(2, max_pending_steps=-1)),
+    ("Merger(2, max_pending_steps=2**64)", lambda: Merger(2, max_pending_steps=2**64)),
+    # -- Merger.add (rank 0 already added in step 0)
+    ("add(2, batch) in a world of 2", merger_then(lambda m: m.add(2, B([])), 2)),
+    ("add(-1, batch)", merger_then(lambda m: m.add(-1, B([])), 2)),
+    ("add(2**70, batch)", merger_then(lambda m: m.add(2**70, B([])), 2)),
+    ("add(0, batch) again in the step", merger_then(lambda m: m.add(0, B([])), 2)),
+    (
+        "add_all([(1, batch), (1, batch)])",
+        merger_then(lambda m: m.add_all([(1, B([])), (1, B([]))]), 2),
+    ),
+    ("add(1, [events])  # not a batch", merger_then(lambda m: m.add(1, [stored()]), 2)),
+    (
+        "quorum [1]: add(1, BlockStored group_idx=1)",
+        merger_then(lambda m: m.add(1, B([stored(group_idx=1)])), 2, "quorum", [1]),
+    ),
+    (
+        "quorum [1]: add(1, BlockStored group_idx=-1)",
+        merger_then(lambda m: m.add(1, B([stored(group_idx=-1)])), 2, "quorum", [1]),
+    ),
+    # -- EventBatch.take
+    ("take([5]) of a 1-event batch", lambda: B([stored()]).take([5])),
+    ("take([2**70])", lambda: B([stored()]).take([2**70])),
+]
+
+# Exceptions a caller may get for a wrong *argument type* (Python's usual);
+# everything else must be one of kvmerge's own classes.
+ARGUMENT_ERRORS = (TypeError, IndexError)
+
+
+def outcome(call: Callable[[], object]) -> tuple[str, str, bool]:
+    """(exception column, message, acceptable)."""
+    try:
+        call()
+    except BaseException as e:  # a PanicException is a BaseException
+        cls = type(e)
+        std = [b.__name__ for b in cls.__mro__[1:] if b.__module__ == "builtins"]
+        kind = (
+            cls.__name__
+            if cls.__module__ == "builtins"
+            else f"{cls.__name__} ({std[0]})"
+        )
+        ok = isinstance(e, kvmerge.KVMergeError) or (
+            isinstance(e, ARGUMENT_ERRORS) and isinstance(e, Exception)
+        )
+        return kind, str(e), ok
+    return "accepted", "", False
+
+
+def table() -> str:
+    rows = ["| # | bad input | exception | message |", "| --- | --- | --- | --- |"]
+    for i, (label, call) in enumerate(CASES, 1):
+        kind, message, _ = outcome(call)
+        cell = message.replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {i} | `{label}` | {kind} | {cell} |")
+    return "\n".join(rows) + "\n"
+
+
+def check() -> list[str]:
+    """The cases that did not get an acceptable refusal."""
+    return [label for label, call in CASES if not outcome(call)[2]]
+
+
+if __name__ == "__main__":
+    print(table(), end="")
+    bad = check()
+    if bad:
+        raise SystemExit(f"not refused as they should be: {bad}")
