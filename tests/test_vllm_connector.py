@@ -111,6 +111,22 @@ def test_all_rule_counts_every_worker_of_the_config(bus, tp):
     }
 
 
+def test_a_salvaged_output_joins_its_ranks_report(bus):
+    """Two outputs of one rank in one step (vLLM salvaging an earlier step's
+    output into the current one) are that rank's one report, in arrival order:
+    not a second rank, and not an error."""
+    c = Cluster([child("LMCacheChild")], bus, tp=2)
+    s1, s2, s3 = stored(1), stored(2), stored(3)
+    outputs = []
+    for rank, events in ((0, [s1]), (1, [s1, s2, s3]), (0, [s2])):
+        c.emit(rank, 0, events)
+        outputs.append(shm_roundtrip(worker_output(c.workers[rank]))[0])
+    published = c.bus.publish(c.schedule(c.aggregator.aggregate(outputs, 0)))
+    assert published == [s1, s2]  # s3: rank 0 never reported it
+    c.emit(0, 0, [s3])
+    assert c.step() == [s3]  # still pending for rank 0, as for any late report
+
+
 def test_duplicates_in_one_worker_do_not_stand_in_for_another(bus):
     c = Cluster([child("LMCacheChild")], bus, tp=2)
     s1 = stored(1)

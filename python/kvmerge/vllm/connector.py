@@ -382,7 +382,7 @@ class KVMergeMultiConnector(MultiConnector):
 
     def _merge_step(self, reports: Sequence[WorkerReport]) -> list[Any]:
         n = len(self._lanes)
-        seen: set[int] = set()
+        by_rank: dict[int, WorkerReport] = {}
         for report in reports:
             if report.num_lanes != n:
                 raise ConfigError(
@@ -395,13 +395,17 @@ class KVMergeMultiConnector(MultiConnector):
                     f"KVMergeMultiConnector: rank {report.rank} is outside the "
                     f"aggregated world of {self._world_size} workers"
                 )
-            if report.rank in seen:
-                raise RankError(
-                    f"KVMergeMultiConnector: rank {report.rank} reported twice in "
-                    "one step"
+            earlier = by_rank.get(report.rank)
+            if earlier is not None:
+                logger.warning(
+                    "KVMergeMultiConnector: rank %d reported twice in one step "
+                    "(a salvaged output?): its events count as one report, in "
+                    "arrival order",
+                    report.rank,
                 )
-            seen.add(report.rank)
-        ordered = sorted(reports, key=lambda r: r.rank)
+                report = earlier.followed_by(report)
+            by_rank[report.rank] = report
+        ordered = [by_rank[rank] for rank in sorted(by_rank)]
         return [
             lane.step(
                 [(r.rank, r.kinds[i], r.payloads[i], r.factors[i]) for r in ordered]

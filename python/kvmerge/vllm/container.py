@@ -79,6 +79,28 @@ class WorkerReport:
     def __reduce__(self) -> tuple[Any, ...]:
         return (WorkerReport, (self.rank, self.kinds, self.payloads, self.factors))
 
+    def followed_by(self, later: WorkerReport) -> WorkerReport:
+        """This rank's report and a later one of the same rank as one report.
+
+        A step can hold two outputs of one worker when vLLM salvages an
+        earlier step's output into the current one; its events happened in
+        that order, so each lane's events are concatenated, without decoding.
+        """
+        payloads: list[Payload] = []
+        for mine, theirs in zip(self.payloads, later.payloads, strict=True):
+            if mine is None or theirs is None:
+                payloads.append(theirs if mine is None else mine)
+            elif isinstance(mine, EventBatch) and isinstance(theirs, EventBatch):
+                payloads.append(EventBatch.concat([mine, theirs]))
+            else:  # native containers: the child's own method
+                payloads.append(mine.merge(theirs))  # type: ignore[union-attr]
+        return WorkerReport(
+            self.rank,
+            _first_set(self.kinds, later.kinds),
+            tuple(payloads),
+            _first_set(self.factors, later.factors),
+        )
+
     def __repr__(self) -> str:
         lanes = ", ".join(
             "None"
@@ -87,6 +109,10 @@ class WorkerReport:
             for k, p in zip(self.kinds, self.payloads, strict=True)
         )
         return f"<WorkerReport rank={self.rank} lanes=[{lanes}]>"
+
+
+def _first_set(mine: tuple[Any, ...], theirs: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a if a is not None else b for a, b in zip(mine, theirs, strict=True))
 
 
 class WorkerReports(Sequence[KVCacheEvent]):
