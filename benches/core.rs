@@ -1,100 +1,296 @@
-//! Criterion benches of the core: encode, identity, validation of a received
-//! batch, merge per rule, and gathering the output.
+//! Criterion benches of the core, per operation on the scheduler's and the
+//! workers' paths:
 //!
-//! `cargo bench -p kvmerge-core` runs the default grid (it includes the
-//! target case, 8 ranks x 4,096 events); `KVMERGE_BENCH_FULL=1` runs ranks
-//! 1-16 x events 64-65,536.
+//! | group | what | throughput |
+//! | --- | --- | --- |
+//! | `encode/{int,bytes}` | msgspec payload -> batch: parse, check, BLAKE3 identities | events |
+//! | `identity/{int,bytes}` | the fingerprint alone: `Identity::of` every event's bytes | events |
+//! | `decode/{int,bytes}` | a received batch: `Batch::from_vec` (XXH3, records) and reading every event back with the schema reader | events |
+//! | `merge_{all,quorum,any}[_skewed]/{int,bytes}/R_ranks` | R ranks' batches added, `finish_step` | events of all ranks |
+//! | `raw/{int,bytes}` | the merged batch's output: each event's byte range (what `finish_step_raw` wraps as `msgspec.Raw` views) | events |
+//! | `gather/{int,bytes}` | a new batch of every other event (what a merge's output costs to build) | events |
+//!
+//! Events look like the offloading connectors' (see `kvmerge bench`): block
+//! size 16, 1-16 hashes per `BlockStored` (16 token ids per hash), 1 event in
+//! 7 a `BlockRemoved`; int hashes (63-bit) or bytes hashes (32 bytes).
+//! Building Python objects (`decode()`, `finish_step()`) needs the interpreter:
+//! `benches/python_core.py` and `kvmerge bench` measure it.
+//!
+//! `cargo bench -p kvmerge-core` runs a short default grid (ranks 1 and 8,
+//! 512 and 4,096 events per rank, int hashes for the merges); with
+//! `KVMERGE_BENCH_FULL=1` the full grid: ranks 1, 2, 4, 8, 16, events per rank
+//! 64, 512, 4,096, 65,536, int and bytes hashes everywhere.
 
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
-use kvmerge_core::testing::{clear, payload, removed, stored_with, Ev};
+use kvmerge_core::msgpack::{write_array_header, Reader};
+use kvmerge_core::schema::read_event;
+use kvmerge_core::testing::{clear, payload, Ev};
 use kvmerge_core::{Batch, Identity, Merger, MergerConfig, Rule};
 
-/// One rank's events for a step: stores of ~8 hashes and 128 tokens, ~15%
-/// removals, as the workload describes.
-fn events(n: usize, salt: u64) -> Vec<Ev> {
-    (0..n as u64)
-        .map(|i| match i % 7 {
-            6 => removed((i % 120) as u8),
-            _ => stored_with(i ^ salt, Some(0), 8, 128),
-        })
-        .collect()
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hashes {
+    Int,
+    Bytes,
 }
 
-fn grid() -> (Vec<usize>, Vec<usize>) {
-    if std::env::var_os("KVMERGE_BENCH_FULL").is_some() {
-        (vec![1, 2, 4, 8, 16], vec![64, 512, 4096, 65536])
-    } else {
-        (vec![1, 8], vec![512, 4096])
+impl Hashes {
+    fn name(self) -> &'static str {
+        match self {
+            Hashes::Int => "int",
+            Hashes::Bytes => "bytes",
+        }
     }
 }
 
+struct Grid {
+    ranks: Vec<usize>,
+    sizes: Vec<usize>,
+    /// Hash kinds for the per-batch groups (encode, identity, decode, output).
+    hashes: Vec<Hashes>,
+    /// Hash kinds for the merges (a merge reads identities, not hashes: the
+    /// kind only changes the bytes its output copies).
+    merge_hashes: Vec<Hashes>,
+    full: bool,
+}
+
+fn grid() -> Grid {
+    if std::env::var_os("KVMERGE_BENCH_FULL").is_some() {
+        Grid {
+            ranks: vec![1, 2, 4, 8, 16],
+            sizes: vec![64, 512, 4096, 65536],
+            hashes: vec![Hashes::Int, Hashes::Bytes],
+            merge_hashes: vec![Hashes::Int, Hashes::Bytes],
+            full: true,
+        }
+    } else {
+        Grid {
+            ranks: vec![1, 8],
+            sizes: vec![512, 4096],
+            hashes: vec![Hashes::Int, Hashes::Bytes],
+            merge_hashes: vec![Hashes::Int],
+            full: false,
+        }
+    }
+}
+
+// --- events, msgpack-encoded as msgspec encodes vLLM's classes ----------------
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn str_(out: &mut Vec<u8>, s: &str) {
+    assert!(s.len() < 32);
+    out.push(0xa0 | s.len() as u8);
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// An unsigned int in msgspec's (smallest) encoding.
+fn uint(out: &mut Vec<u8>, v: u64) {
+    if v < 0x80 {
+        out.push(v as u8);
+    } else if v < 0x100 {
+        out.extend_from_slice(&[0xcc, v as u8]);
+    } else if v < 0x1_0000 {
+        out.push(0xcd);
+        out.extend_from_slice(&(v as u16).to_be_bytes());
+    } else if v < 0x1_0000_0000 {
+        out.push(0xce);
+        out.extend_from_slice(&(v as u32).to_be_bytes());
+    } else {
+        out.push(0xcf);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
+fn hash(out: &mut Vec<u8>, kind: Hashes, seed: u64) {
+    match kind {
+        Hashes::Int => uint(out, splitmix(seed) >> 1),
+        Hashes::Bytes => {
+            out.extend_from_slice(&[0xc4, 32]);
+            for k in 0..4 {
+                out.extend_from_slice(&splitmix(seed ^ (k << 56)).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Event `i` of a rank's step: a `BlockStored` of 1-16 hashes (16 tokens
+/// each, from a 128,256-token vocabulary) or, one in 7, a `BlockRemoved`.
+fn event(i: u64, kind: Hashes, group: Option<u8>) -> Ev {
+    let n = 1 + (splitmix(i) % 16);
+    let mut e = Vec::with_capacity(64 + n as usize * 80);
+    if i % 7 == 6 {
+        e.push(0x83);
+        str_(&mut e, "type");
+        str_(&mut e, "BlockRemoved");
+        str_(&mut e, "block_hashes");
+        write_array_header(&mut e, n as usize);
+        for j in 0..n {
+            hash(&mut e, kind, (i - 1) * 16 + j);
+        }
+        str_(&mut e, "medium");
+        str_(&mut e, "CPU");
+        return e;
+    }
+    e.push(0x80 | if group.is_some() { 9 } else { 8 });
+    str_(&mut e, "type");
+    str_(&mut e, "BlockStored");
+    str_(&mut e, "block_hashes");
+    write_array_header(&mut e, n as usize);
+    for j in 0..n {
+        hash(&mut e, kind, i * 16 + j);
+    }
+    str_(&mut e, "parent_block_hash");
+    if i == 0 {
+        e.push(0xc0);
+    } else {
+        hash(&mut e, kind, i * 16 - 1);
+    }
+    str_(&mut e, "token_ids");
+    write_array_header(&mut e, 16 * n as usize);
+    for t in 0..16 * n {
+        uint(&mut e, splitmix(i << 12 | t) % 128_256);
+    }
+    str_(&mut e, "block_size");
+    e.push(16);
+    str_(&mut e, "lora_id");
+    e.push(0xc0);
+    str_(&mut e, "medium");
+    str_(&mut e, "CPU");
+    str_(&mut e, "lora_name");
+    e.push(0xc0);
+    if let Some(g) = group {
+        str_(&mut e, "group_idx");
+        e.push(g);
+    }
+    e
+}
+
+fn events(n: usize, kind: Hashes) -> Vec<Ev> {
+    (0..n as u64).map(|i| event(i, kind, Some(0))).collect()
+}
+
+fn batch_of(evs: &[Ev]) -> Batch {
+    Batch::encode(&payload(evs)).expect("bench events are well formed")
+}
+
+fn id(kind: Hashes, n: usize) -> BenchmarkId {
+    BenchmarkId::new(kind.name(), n)
+}
+
+/// Very large inputs: fewer samples, or a full run takes hours.
+fn sized(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, elements: usize) {
+    if elements >= 1 << 18 {
+        g.sample_size(10);
+    } else {
+        g.sample_size(30);
+    }
+}
+
+// --- worker side ------------------------------------------------------------------
+
 fn encode(c: &mut Criterion) {
+    let grid = grid();
     let mut g = c.benchmark_group("encode");
-    for n in grid().1 {
-        let p = payload(&events(n, 0));
-        g.throughput(Throughput::Elements(n as u64));
-        g.bench_with_input(BenchmarkId::from_parameter(n), &p, |b, p| {
-            b.iter(|| Batch::encode(black_box(p)).unwrap())
-        });
+    for &kind in &grid.hashes {
+        for &n in &grid.sizes {
+            let p = payload(&events(n, kind));
+            sized(&mut g, n);
+            g.throughput(Throughput::Elements(n as u64));
+            g.bench_with_input(id(kind, n), &p, |b, p| {
+                b.iter(|| Batch::encode(black_box(p)).unwrap())
+            });
+        }
     }
     g.finish();
 }
 
 fn identity(c: &mut Criterion) {
+    let grid = grid();
     let mut g = c.benchmark_group("identity");
-    let ev = stored_with(7, Some(0), 8, 128);
-    g.throughput(Throughput::Bytes(ev.len() as u64));
-    g.bench_function("one_event", |b| b.iter(|| Identity::of(black_box(&ev))));
+    for &kind in &grid.hashes {
+        for &n in &grid.sizes {
+            let evs = events(n, kind);
+            sized(&mut g, n);
+            g.throughput(Throughput::Elements(n as u64));
+            g.bench_with_input(id(kind, n), &evs, |b, evs| {
+                b.iter(|| {
+                    evs.iter()
+                        .map(|e| Identity::of(black_box(e)).0[0])
+                        .fold(0u8, |a, x| a ^ x)
+                })
+            });
+        }
+    }
     g.finish();
 }
 
-fn receive(c: &mut Criterion) {
-    let mut g = c.benchmark_group("receive");
-    for n in grid().1 {
-        let bytes = Batch::encode(&payload(&events(n, 0)))
-            .unwrap()
-            .bytes()
-            .to_vec();
-        g.throughput(Throughput::Elements(n as u64));
-        g.bench_with_input(BenchmarkId::from_parameter(n), &bytes, |b, bytes| {
-            b.iter_batched(
-                || bytes.clone(),
-                |v| Batch::from_vec(black_box(v)).unwrap(),
-                BatchSize::LargeInput,
-            )
-        });
+// --- scheduler side ---------------------------------------------------------------
+
+fn decode(c: &mut Criterion) {
+    let grid = grid();
+    let mut g = c.benchmark_group("decode");
+    for &kind in &grid.hashes {
+        for &n in &grid.sizes {
+            let bytes = batch_of(&events(n, kind)).bytes().to_vec();
+            sized(&mut g, n);
+            g.throughput(Throughput::Elements(n as u64));
+            g.bench_with_input(id(kind, n), &bytes, |b, bytes| {
+                b.iter_batched(
+                    || bytes.clone(),
+                    |v| {
+                        let batch = Batch::from_vec(black_box(v)).unwrap();
+                        let mut r = Reader::new(batch.payload());
+                        let n = r.read_array_len().unwrap();
+                        let mut stores = 0usize;
+                        for _ in 0..n {
+                            let info = read_event(&mut r).unwrap();
+                            stores += info.group_idx.is_some() as usize;
+                        }
+                        stores
+                    },
+                    BatchSize::LargeInput,
+                )
+            });
+        }
     }
     g.finish();
 }
 
 /// Per-rank batches for one step. `skew` drops every 10th event on the last
-/// rank and adds a clear, forcing the general (non-identical) path.
-fn step_batches(ranks: usize, n: usize, skew: bool) -> Vec<Arc<Batch>> {
+/// rank and adds a clear to every rank, forcing the general merge path.
+fn step_batches(ranks: usize, n: usize, kind: Hashes, skew: bool) -> Vec<Arc<Batch>> {
+    let base = events(n, kind);
     (0..ranks)
         .map(|r| {
-            let mut evs = events(n, 0);
-            if skew && r == ranks - 1 {
-                evs = evs
-                    .into_iter()
+            let mut evs: Vec<Ev> = if skew && r == ranks - 1 {
+                base.iter()
                     .enumerate()
                     .filter(|(i, _)| i % 10 != 3)
-                    .map(|(_, e)| e)
-                    .collect();
-            }
+                    .map(|(_, e)| e.clone())
+                    .collect()
+            } else {
+                base.clone()
+            };
             if skew {
                 evs.insert(evs.len() / 2, clear());
             }
-            Arc::new(Batch::encode(&payload(&evs)).unwrap())
+            // One batch per rank, as the ranks' workers would send them.
+            Arc::new(batch_of(&evs))
         })
         .collect()
 }
 
 fn merge(c: &mut Criterion) {
-    let (ranks, sizes) = grid();
+    let grid = grid();
     for (name, rule, skew) in [
         ("merge_all", Rule::All, false),
         ("merge_all_skewed", Rule::All, true),
@@ -104,41 +300,82 @@ fn merge(c: &mut Criterion) {
         ("merge_any_skewed", Rule::Any, true),
     ] {
         let mut g = c.benchmark_group(name);
-        g.measurement_time(Duration::from_secs(3));
-        for &w in &ranks {
-            for &n in &sizes {
-                let batches = step_batches(w, n, skew);
-                let mut cfg = MergerConfig::new(w, rule);
-                if rule == Rule::Quorum {
-                    cfg.replication_factors = Some(vec![1]);
+        if grid.full {
+            g.warm_up_time(Duration::from_secs(1));
+            g.measurement_time(Duration::from_secs(2));
+        }
+        for &kind in &grid.merge_hashes {
+            for &w in &grid.ranks {
+                for &n in &grid.sizes {
+                    let batches = step_batches(w, n, kind, skew);
+                    let mut cfg = MergerConfig::new(w, rule);
+                    if rule == Rule::Quorum {
+                        cfg.replication_factors = Some(vec![1]);
+                    }
+                    let mut m = Merger::new(cfg).unwrap();
+                    sized(&mut g, w * n);
+                    g.throughput(Throughput::Elements((w * n) as u64));
+                    let bench_id = BenchmarkId::new(format!("{}/{w}_ranks", kind.name()), n);
+                    g.bench_function(bench_id, |b| {
+                        b.iter(|| {
+                            for (r, batch) in batches.iter().enumerate() {
+                                m.add(r as i64, batch.clone()).unwrap();
+                            }
+                            black_box(m.finish_step())
+                        })
+                    });
                 }
-                let mut m = Merger::new(cfg).unwrap();
-                g.throughput(Throughput::Elements((w * n) as u64));
-                g.bench_function(BenchmarkId::new(format!("{w}_ranks"), n), |b| {
-                    b.iter(|| {
-                        for (r, batch) in batches.iter().enumerate() {
-                            m.add(r as i64, batch.clone()).unwrap();
-                        }
-                        black_box(m.finish_step())
-                    })
-                });
             }
         }
         g.finish();
     }
 }
 
-fn gather(c: &mut Criterion) {
-    let mut g = c.benchmark_group("gather");
-    for n in grid().1 {
-        let batch = Batch::encode(&payload(&events(n, 0))).unwrap();
-        g.throughput(Throughput::Elements(n as u64));
-        g.bench_with_input(BenchmarkId::from_parameter(n), &batch, |b, batch| {
-            b.iter(|| Batch::gather((0..batch.len()).step_by(2).map(|i| (black_box(batch), i))))
-        });
+fn raw(c: &mut Criterion) {
+    let grid = grid();
+    let mut g = c.benchmark_group("raw");
+    for &kind in &grid.hashes {
+        for &n in &grid.sizes {
+            let batch = batch_of(&events(n, kind));
+            sized(&mut g, n);
+            g.throughput(Throughput::Elements(n as u64));
+            g.bench_with_input(id(kind, n), &batch, |b, batch| {
+                b.iter(|| {
+                    let bytes = batch.bytes();
+                    (0..batch.len())
+                        .map(|i| {
+                            let r = batch.event_range(black_box(i));
+                            bytes[r.start] as usize + r.len()
+                        })
+                        .sum::<usize>()
+                })
+            });
+        }
     }
     g.finish();
 }
 
-criterion_group!(benches, encode, identity, receive, merge, gather);
+fn gather(c: &mut Criterion) {
+    let grid = grid();
+    let mut g = c.benchmark_group("gather");
+    for &kind in &grid.hashes {
+        for &n in &grid.sizes {
+            let batch = batch_of(&events(n, kind));
+            sized(&mut g, n);
+            g.throughput(Throughput::Elements(n as u64 / 2));
+            g.bench_with_input(id(kind, n), &batch, |b, batch| {
+                b.iter(|| Batch::gather((0..batch.len()).step_by(2).map(|i| (black_box(batch), i))))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(2));
+    targets = encode, identity, decode, merge, raw, gather
+}
 criterion_main!(benches);

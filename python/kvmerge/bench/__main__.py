@@ -1,0 +1,5 @@
+import sys
+
+from kvmerge.bench import main
+
+sys.exit(main())

@@ -1,0 +1,219 @@
+"""The child connectors of the benchmark, for both paths.
+
+vLLM loads them by name through ``"kv_connector_module_path":
+"kvmerge.bench.children"``, as children of vLLM's own ``MultiConnector``
+(path A) or of ``KVMergeMultiConnector`` (path B). Their worker sides return
+the REAL vLLM 0.33.0 containers, built exactly as the upstream workers build
+them (``LMCacheConnectorV1`` and ``MooncakeStoreConnector``: create the
+container, ``add_events``); their scheduler sides run the upstream
+connectors' own ``update_connector_output`` and ``take_events``. Only the
+stores behind them are left out: a worker's events for a step are handed in
+with ``feed`` before the step.
+
+``ListChild`` stands for a third-party connector whose container is a plain
+list. vLLM 0.33.0's ``AllBlocksCleared`` is not hashable, so the Counter-based
+LMCache and Mooncake containers cannot carry it (``add_events`` raises
+``TypeError``); a list container can. Path B merges it with rule ``"all"``
+(``kv_events_merge`` override); path A uses its own scheduler side, which
+applies LMCache's per-step rule (an event is kept when every worker of the
+step reported it), counting events by their msgpack encoding since clears
+cannot be hashed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
+    LMCacheConnectorV1,
+    LMCacheKVEvents,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+    MooncakeStoreConnector,
+    MooncakeStoreKVEvents,
+)
+
+MODULE = __name__
+
+#: child kind -> (connector class name in this module, rule kvmerge applies)
+KINDS: dict[str, tuple[str, str]] = {
+    "lmcache": ("BenchLMCacheConnector", "all"),
+    "mooncake": ("BenchMooncakeConnector", "quorum"),
+    "list": ("BenchListConnector", "all"),
+}
+#: Group TP replication factors of the Mooncake child's containers.
+MOONCAKE_FACTORS = (1,)
+
+
+class _Fed(KVConnectorBase_V1):
+    """Worker side: returns a container of the events ``feed`` handed in."""
+
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._next: list[KVCacheEvent] = []
+        self._kv_cache_events: Any = None
+
+    def feed(self, events: Sequence[KVCacheEvent]) -> None:
+        """This worker's events for the next step (what its store produced)."""
+        self._next = list(events)
+
+    def _take_fed(self) -> list[KVCacheEvent]:
+        events, self._next = self._next, []
+        return events
+
+    # --- abstract methods the benchmark does not call ----------------------
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+
+def lmcache_container(events: list[KVCacheEvent]) -> LMCacheKVEvents | None:
+    """``LMCacheConnectorV1.get_kv_connector_kv_cache_events``, from events."""
+    if not events:
+        return None
+    container = LMCacheKVEvents(num_workers=1)
+    container.add_events(events)
+    return container
+
+
+def mooncake_container(events: list[KVCacheEvent]) -> MooncakeStoreKVEvents:
+    """``MooncakeStoreConnector.get_kv_connector_kv_cache_events``: always a
+    container, empty or not (it counts the worker)."""
+    container = MooncakeStoreKVEvents(
+        num_workers=1, group_tp_replication_factors=MOONCAKE_FACTORS
+    )
+    container.add_events(events)
+    return container
+
+
+class BenchLMCacheConnector(_Fed):
+    def get_kv_connector_kv_cache_events(self) -> LMCacheKVEvents | None:
+        return lmcache_container(self._take_fed())
+
+    def update_connector_output(self, connector_output) -> None:
+        LMCacheConnectorV1.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return LMCacheConnectorV1.take_events(self)  # type: ignore[arg-type]
+
+
+class _NoStoreScheduler:
+    """The Mooncake scheduler half, without a store: nothing to update."""
+
+    def update_connector_output(self, connector_output) -> None:
+        return None
+
+
+class BenchMooncakeConnector(_Fed):
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.connector_scheduler = _NoStoreScheduler()
+
+    def get_kv_connector_kv_cache_events(self) -> MooncakeStoreKVEvents:
+        return mooncake_container(self._take_fed())
+
+    def update_connector_output(self, connector_output) -> None:
+        MooncakeStoreConnector.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return MooncakeStoreConnector.take_events(self)  # type: ignore[arg-type]
+
+
+class ListKVEvents(KVConnectorKVEvents):
+    """A third-party container: every worker's events, in order."""
+
+    def __init__(self, events: Sequence[KVCacheEvent] = ()) -> None:
+        self.events = list(events)
+        self.workers = 1
+
+    def add_events(self, events) -> None:
+        self.events.extend(events)
+
+    def aggregate(self) -> ListKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self.events)
+
+    def get_number_of_workers(self) -> int:
+        return self.workers
+
+    def clear_events(self) -> None:
+        self.events.clear()
+        self.workers = 1
+
+
+def list_container(events: list[KVCacheEvent]) -> ListKVEvents:
+    return ListKVEvents(events)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class BenchListConnector(_Fed):
+    """Scheduler side: LMCache's per-step rule, keyed by encoding."""
+
+    def get_kv_connector_kv_cache_events(self) -> ListKVEvents:
+        return list_container(self._take_fed())
+
+    def update_connector_output(self, connector_output) -> None:
+        ev = connector_output.kv_cache_events
+        if not isinstance(ev, ListKVEvents):
+            return
+        events = ev.get_all_events()
+        keys = [_ENCODER.encode(e) for e in events]
+        counts = Counter(keys)
+        first: dict[bytes, KVCacheEvent] = {}
+        for key, e in zip(keys, events, strict=True):
+            first.setdefault(key, e)
+        workers = ev.get_number_of_workers()
+        kept = [first[k] for k, n in counts.items() if n == workers]
+        self._kv_cache_events = (self._kv_cache_events or []) + kept
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._kv_cache_events = self._kv_cache_events or [], None
+        return events
+
+
+#: child kind -> the function its worker uses to build a container.
+CONTAINERS = {
+    "lmcache": lmcache_container,
+    "mooncake": mooncake_container,
+    "list": list_container,
+}
+
+
+def reported(kind: str, events: list[KVCacheEvent]) -> list[KVCacheEvent]:
+    """What a worker of this child reports for ``events``: its container's
+    ``get_all_events()`` (Counter containers group repeated events together),
+    or nothing when it returns no container."""
+    container = CONTAINERS[kind](events)
+    return [] if container is None else list(container.get_all_events())

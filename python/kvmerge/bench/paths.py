@@ -1,0 +1,244 @@
+"""The two event paths, each with real vLLM 0.33.0 configs and connectors.
+
+Path A, vLLM 0.33.0 as shipped: vLLM's ``MultiConnector`` with the benchmark's
+children. Upstream ``MultiConnector`` has no event support, so each child's
+events travel on their own: per rank, each child's worker side returns its
+native container (``LMCacheKVEvents``, ``MooncakeStoreKVEvents``), wrapped in a
+``KVConnectorOutput`` / ``ModelRunnerOutput`` as the model runner wraps it;
+the rank's outputs are pickled in one message; on the scheduler each child's
+outputs go through a ``KVOutputAggregator`` and the child's own
+``update_connector_output`` and ``take_events``.
+
+Path B, kvmerge: ``KVMergeMultiConnector`` with the same children; per rank
+one ``ModelRunnerOutput`` holding its ``KVMergeKVEvents``, the same pickling,
+one ``KVOutputAggregator``, and the connector's ``update_connector_output`` and
+``take_events``.
+
+Both paths share ``transport`` (the shm ``MessageQueue``'s pickling) and are
+timed by the caller around the same calls: ``worker(rank)`` (the rank's
+worker-side event call plus pickling) and ``scheduler(wires)`` (unpickling,
+aggregation, ``update_connector_output``, ``take_events`` drained to a list).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
+from typing import Any
+
+from vllm.config import (
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+from . import children as bench_children
+from .transport import Wire, dequeue, enqueue
+
+SCHEDULER = KVConnectorRole.SCHEDULER
+WORKER = KVConnectorRole.WORKER
+
+MAX_PENDING_STEPS = 32
+
+
+def child_entry(kind: str) -> dict[str, Any]:
+    cls_name, rule = bench_children.KINDS[kind]
+    extra: dict[str, Any] = {}
+    if kind == "list":
+        # An unknown container: kvmerge merges it only when told a rule.
+        extra["kv_events_merge"] = rule
+    return {
+        "kv_connector": cls_name,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": bench_children.MODULE,
+        "kv_connector_extra_config": extra,
+    }
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """vLLM warns at every connector and config it builds; the bench builds
+    dozens (the same warnings each time)."""
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@lru_cache(maxsize=32)
+def make_config(
+    connector: str, world_size: int, kinds: tuple[str, ...], output: str = "raw"
+) -> VllmConfig:
+    extra: dict[str, Any] = {"connectors": [child_entry(k) for k in kinds]}
+    module_path = None
+    if connector == "KVMergeMultiConnector":
+        module_path = "kvmerge.vllm"
+        extra["max_pending_steps"] = MAX_PENDING_STEPS
+        extra["kv_events_output"] = output
+    ktc = KVTransferConfig(
+        kv_connector=connector,
+        kv_role="kv_both",
+        kv_connector_module_path=module_path,
+        kv_connector_extra_config=extra,
+    )
+    with _quiet():
+        return VllmConfig(
+            device_config=DeviceConfig(device="cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=world_size),
+            kv_transfer_config=ktc,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
+        )
+
+
+def _worker_config(cfg: VllmConfig, rank: int) -> VllmConfig:
+    """The config a worker process holds: its own ``parallel_config.rank``
+    (what vLLM's ``WorkerBase`` sets)."""
+    wcfg = copy.copy(cfg)
+    wcfg.parallel_config = copy.copy(cfg.parallel_config)
+    wcfg.parallel_config.rank = rank
+    return wcfg
+
+
+def _build(cfg: VllmConfig, role: KVConnectorRole) -> Any:
+    kv_cache_config = KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[]
+    )
+    with _quiet():
+        return KVConnectorFactory.create_connector(cfg, role, kv_cache_config)
+
+
+def _wrap(container: Any) -> ModelRunnerOutput:
+    """``KVConnectorModelRunnerMixin``: the events in a ``KVConnectorOutput``,
+    in a ``ModelRunnerOutput``."""
+    out = KVConnectorOutput()
+    out.kv_cache_events = container
+    return ModelRunnerOutput.with_kv_conn_output_only(out)
+
+
+class Path:
+    name = "?"
+    label = "?"
+
+    def __init__(self, world_size: int, kinds: Sequence[str]) -> None:
+        self.world_size = world_size
+        self.kinds = tuple(kinds)
+        self.workers: list[Any] = []
+
+    def feed(self, events: Sequence[Sequence[Sequence[Any]]]) -> None:
+        """Hand each rank's children their events for the next step."""
+        for rank, worker in enumerate(self.workers):
+            for lane, child in enumerate(worker.sub_connectors):
+                child.feed(events[lane][rank])
+
+    def worker(self, rank: int) -> Wire:
+        raise NotImplementedError
+
+    def scheduler(self, wires: Sequence[Wire]) -> Any:
+        raise NotImplementedError
+
+    def per_child(self, result: Any) -> list[list[Any]]:
+        """The scheduler's output of one step, per child (for the checks)."""
+        raise NotImplementedError
+
+
+class PathA(Path):
+    """vLLM 0.33.0's own path: each child's native container on its own."""
+
+    name = "A"
+    label = "vLLM 0.33.0"
+
+    def __init__(self, world_size: int, kinds: Sequence[str]) -> None:
+        super().__init__(world_size, kinds)
+        cfg = make_config("MultiConnector", world_size, self.kinds)
+        self.multi = _build(cfg, SCHEDULER)
+        self.children = self.multi.sub_connectors
+        self.workers = [
+            _build(_worker_config(cfg, r), WORKER) for r in range(world_size)
+        ]
+        self._worker_children = [w.sub_connectors for w in self.workers]
+        self.aggregators = [
+            KVOutputAggregator.from_connector(c, world_size) for c in self.children
+        ]
+
+    def worker(self, rank: int) -> Wire:
+        outputs = tuple(
+            _wrap(child.get_kv_connector_kv_cache_events())
+            for child in self._worker_children[rank]
+        )
+        return enqueue(outputs)
+
+    def scheduler(self, wires: Sequence[Wire]) -> list[list[Any]]:
+        received = [dequeue(w) for w in wires]
+        result = []
+        for lane, child in enumerate(self.children):
+            output = self.aggregators[lane].aggregate(
+                [r[lane] for r in received], output_rank=0
+            )
+            kv_out = output.kv_connector_output if output is not None else None
+            if kv_out:
+                child.update_connector_output(kv_out)
+            result.append(list(child.take_events()))
+        return result
+
+    def per_child(self, result: list[list[Any]]) -> list[list[Any]]:
+        return result
+
+
+class PathB(Path):
+    """kvmerge: ``KVMergeMultiConnector``."""
+
+    name = "B"
+    label = "kvmerge"
+
+    def __init__(
+        self, world_size: int, kinds: Sequence[str], output: str = "raw"
+    ) -> None:
+        super().__init__(world_size, kinds)
+        cfg = make_config("KVMergeMultiConnector", world_size, self.kinds, output)
+        self.connector = _build(cfg, SCHEDULER)
+        self.workers = [
+            _build(_worker_config(cfg, r), WORKER) for r in range(world_size)
+        ]
+        self.aggregator = KVOutputAggregator.from_connector(self.connector, world_size)
+        self._published = [0] * len(self.kinds)
+
+    def worker(self, rank: int) -> Wire:
+        return enqueue(_wrap(self.workers[rank].get_kv_connector_kv_cache_events()))
+
+    def scheduler(self, wires: Sequence[Wire]) -> list[Any]:
+        output = self.aggregator.aggregate([dequeue(w) for w in wires], output_rank=0)
+        kv_out = output.kv_connector_output if output is not None else None
+        if kv_out:
+            self.connector.update_connector_output(kv_out)
+        return list(self.connector.take_events())
+
+    def per_child(self, result: list[Any]) -> list[list[Any]]:
+        """Split the step's events by child, with the mergers' public counters
+        (each child's merged events come out in config order, and the
+        benchmark's children add none of their own on this path)."""
+        stats = self.connector.merge_stats()
+        out: list[list[Any]] = []
+        at = 0
+        for lane, s in enumerate(stats):
+            published = s["published"] if s is not None else 0
+            n, self._published[lane] = published - self._published[lane], published
+            out.append(result[at : at + n])
+            at += n
+        if at != len(result):
+            raise AssertionError(
+                f"path B published {len(result)} events, its mergers count {at}"
+            )
+        return out

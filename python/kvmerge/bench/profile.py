@@ -1,0 +1,278 @@
+"""Where each path's time goes, phase by phase, for one case.
+
+The same workload and connectors as the comparison; each phase of a step is
+timed on its own (``perf_counter`` around it; a garbage collection before each
+step, untimed), medians over the steps:
+
+Scheduler side, path B (``kv_events_output`` as configured):
+
+* ``unpickle``: ``pickle.loads`` of every rank's message, of which
+  ``validate`` is ``EventBatch.from_buffer`` on the same bytes (the check of
+  a received batch: XXH3 over it, the records' spans);
+* ``aggregate``: ``KVOutputAggregator.aggregate``;
+* ``update_connector_output``, of which ``merge`` (``Merger.add_all`` +
+  ``finish_step_batch`` on standalone mergers fed the same batches: the Rust
+  merge) and ``output`` (``EventBatch.raw()`` or ``decode()`` of the merged
+  batch: building the Python objects handed out); the rest is the
+  connector's Python code;
+* ``take_events``.
+
+Scheduler side, path A: ``unpickle`` (rebuilds each container's ``Counter``:
+one Python ``__hash__`` per event), ``aggregate`` (``add_events``: a
+``Counter.update`` per worker), ``update_connector_output``, ``take_events``
+(``aggregate``/``pop_common_events``).
+
+Worker side, per rank: the children's containers (``get_kv_connector_kv_cache_
+events`` of each child), and for B their ``get_all_events()`` and
+``kvmerge.encode`` (of which ``msgspec`` encode alone), then pickling.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+
+import kvmerge
+from kvmerge import EventBatch
+
+from .paths import _wrap
+from .transport import dequeue, enqueue
+from .workload import Workload, preset
+
+_clock = time.perf_counter
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def _faults() -> int:
+    """Minor page faults so far (this thread, on Linux)."""
+    return resource.getrusage(_RUSAGE_THREAD).ru_minflt
+
+
+def _med(d: dict[str, list[float]]) -> dict[str, float]:
+    return {k: statistics.median(v) * 1e3 for k, v in d.items()}
+
+
+def profile_case(
+    world_size: int = 8,
+    events: int = 512,
+    *,
+    workload: str = "uniform",
+    steps: int = 8,
+    warmup: int = 2,
+    seed: int = 0,
+    output: str = "raw",
+) -> dict[str, Any]:
+    from .paths import PathA, PathB
+
+    cfg = preset(workload, world_size=world_size, events=events, seed=seed)
+    a = PathA(world_size, cfg.children)
+    b = PathB(world_size, cfg.children, output)
+    mergers = [
+        kvmerge.Merger(world_size, rule, factors, 32)  # type: ignore[arg-type]
+        for rule, factors in (_rule(k) for k in cfg.children)
+    ]
+    enc = msgspec.msgpack.Encoder()
+    sa: dict[str, list[float]] = defaultdict(list)
+    sb: dict[str, list[float]] = defaultdict(list)
+    wa: dict[str, list[float]] = defaultdict(list)
+    wb: dict[str, list[float]] = defaultdict(list)
+    faults: dict[str, list[int]] = {"A": [], "B": []}
+    gc.collect()
+    gc.freeze()  # as the runner does (vLLM's freeze_gc_heap)
+    try:
+        for step in Workload(cfg).steps(warmup + steps):
+            keep = step.index >= warmup
+            # --- worker side, path A ------------------------------------------
+            a.feed(step.events)
+            wires_a = []
+            acc: dict[str, float] = defaultdict(float)
+            for rank in range(world_size):
+                gc.collect()
+                t0 = _clock()
+                outs = tuple(
+                    _wrap(c.get_kv_connector_kv_cache_events())
+                    for c in a._worker_children[rank]
+                )
+                t1 = _clock()
+                wires_a.append(enqueue(outs))
+                t2 = _clock()
+                acc["containers"] += t1 - t0
+                acc["pickle"] += t2 - t1
+            if keep:
+                for k, v in acc.items():
+                    wa[k].append(v / world_size)
+            # --- worker side, path B ------------------------------------------
+            b.feed(step.events)
+            wires_b = []
+            acc = defaultdict(float)
+            for rank in range(world_size):
+                worker = b.workers[rank]
+                gc.collect()
+                # The children's part, by hand (the same calls the connector makes).
+                t0 = _clock()
+                conts = [
+                    c.get_kv_connector_kv_cache_events() for c in worker.sub_connectors
+                ]
+                t1 = _clock()
+                evs = [c.get_all_events() if c is not None else [] for c in conts]
+                t2 = _clock()
+                for e in evs:
+                    kvmerge.encode(e)
+                t3 = _clock()
+                for e in evs:
+                    enc.encode(e)
+                t4 = _clock()
+                # The connector's whole call, on the same events again.
+                for lane, child in enumerate(worker.sub_connectors):
+                    child.feed(step.events[lane][rank])
+                t5 = _clock()
+                container = worker.get_kv_connector_kv_cache_events()
+                t6 = _clock()
+                wires_b.append(enqueue(_wrap(container)))
+                t7 = _clock()
+                acc["connector call"] += t6 - t5
+                acc["(of which containers)"] += t1 - t0
+                acc["(of which get_all_events)"] += t2 - t1
+                acc["(of which kvmerge.encode)"] += t3 - t2
+                acc["(of which msgspec encode, in kvmerge.encode)"] += t4 - t3
+                acc["pickle"] += t7 - t6
+            if keep:
+                for k, v in acc.items():
+                    wb[k].append(v / world_size)
+            # --- scheduler side, path A ---------------------------------------
+            gc.collect()
+            f0 = _faults()
+            t0 = _clock()
+            received = [dequeue(w) for w in wires_a]
+            t1 = _clock()
+            fa = _faults() - f0
+            acc = defaultdict(float)
+            for lane, child in enumerate(a.children):
+                u0 = _clock()
+                out = a.aggregators[lane].aggregate([r[lane] for r in received], 0)
+                u1 = _clock()
+                kv_out = out.kv_connector_output if out is not None else None
+                if kv_out:
+                    child.update_connector_output(kv_out)
+                u2 = _clock()
+                list(child.take_events())
+                u3 = _clock()
+                acc["aggregate"] += u1 - u0
+                acc["update_connector_output"] += u2 - u1
+                acc["take_events"] += u3 - u2
+            if keep:
+                sa["unpickle"].append(t1 - t0)
+                faults["A"].append(fa)
+                for k, v in acc.items():
+                    sa[k].append(v)
+            # --- scheduler side, path B ---------------------------------------
+            gc.collect()
+            f0 = _faults()
+            t0 = _clock()
+            received_b = [dequeue(w) for w in wires_b]
+            t1 = _clock()
+            fb = _faults() - f0
+            out = b.aggregator.aggregate(received_b, 0)
+            t2 = _clock()
+            kv_out = out.kv_connector_output if out is not None else None
+            if kv_out:
+                b.connector.update_connector_output(kv_out)
+            t3 = _clock()
+            list(b.connector.take_events())
+            t4 = _clock()
+            # Replays, untimed above: validation, merge, output.
+            reports = sorted(kv_out.kv_cache_events.reports, key=lambda r: r.rank)
+            raw = [bytes(p) for r in reports for p in r.payloads if p is not None]
+            v0 = _clock()
+            for buf in raw:
+                EventBatch.from_buffer(buf)
+            v1 = _clock()
+            merge_s = raw_s = objects_s = 0.0
+            for lane, merger in enumerate(mergers):
+                pairs = [
+                    (
+                        r.rank,
+                        r.payloads[lane]
+                        if r.payloads[lane] is not None
+                        else EventBatch.empty(),
+                    )
+                    for r in reports
+                ]
+                m0 = _clock()
+                merger.add_all(pairs)
+                merged = merger.finish_step_batch()
+                m1 = _clock()
+                merged.raw()
+                m2 = _clock()
+                merged.decode()
+                m3 = _clock()
+                merge_s += m1 - m0
+                raw_s += m2 - m1
+                objects_s += m3 - m2
+            out_s = {"raw": raw_s, "objects": objects_s}
+            other = "objects" if output == "raw" else "raw"
+            if keep:
+                sb["unpickle"].append(t1 - t0)
+                faults["B"].append(fb)
+                sb["(of which validate)"].append(v1 - v0)
+                sb["aggregate"].append(t2 - t1)
+                sb["update_connector_output"].append(t3 - t2)
+                sb["(of which merge)"].append(merge_s)
+                sb[f"(of which output: {output})"].append(out_s[output])
+                sb[f"(output as {other} instead)"].append(out_s[other])
+                sb["take_events"].append(t4 - t3)
+                sb["total"].append(t4 - t0)
+    finally:
+        gc.unfreeze()
+    sa_med = _med(sa)
+    sa_med["total"] = sum(sa_med.values())
+    wa_med = _med(wa)
+    wa_med["total"] = sum(wa_med.values())
+    wb_med = _med(wb)
+    wb_med["total"] = wb_med["connector call"] + wb_med["pickle"]
+    return {
+        "case": f"{workload}/tp{world_size}/{events}",
+        "steps": steps,
+        "output": output,
+        "scheduler": {"A": sa_med, "B": _med(sb)},
+        "worker_per_rank": {"A": wa_med, "B": wb_med},
+        "unpickle_minor_page_faults": {
+            k: statistics.median(v) if v else None for k, v in faults.items()
+        },
+    }
+
+
+def _rule(kind: str) -> tuple[str, list[int] | None]:
+    from .check import rule_of
+
+    return rule_of(kind)
+
+
+def format_profile(p: dict[str, Any]) -> str:
+    """One line per side and path: each phase in ms and its share of the total."""
+    lines = [f"profile {p['case']} ({p['steps']} steps; medians, ms, share of total):"]
+    for side, label in (
+        ("scheduler", "scheduler side"),
+        ("worker_per_rank", "worker side per rank"),
+    ):
+        for path in ("A", "B"):
+            phases = p[side][path]
+            total = phases["total"]
+            parts = [
+                f"{k} {v:.3f} ({100 * v / total:.0f}%)"
+                for k, v in phases.items()
+                if k != "total"
+            ]
+            lines.append(f"  {label}, {path}: total {total:.3f} = " + "; ".join(parts))
+    pf = p.get("unpickle_minor_page_faults")
+    if pf:
+        lines.append(
+            f"  minor page faults while unpickling, per step: A {pf['A']}, B {pf['B']}"
+        )
+    return "\n".join(lines)

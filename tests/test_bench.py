@@ -1,0 +1,255 @@
+"""``kvmerge bench``: the workload generator, the transport emulation, and a
+tiny run end to end (JSON, PNG, path B equal to the reference model)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import msgspec
+import pytest
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+import kvmerge
+from kvmerge.bench import grid_from_args, main, run_bench
+from kvmerge.bench.check import ChildDiff, load_reference
+from kvmerge.bench.runner import Case, run_case
+from kvmerge.bench.transport import OOB_THRESHOLD, dequeue, enqueue
+from kvmerge.bench.workload import Workload, WorkloadConfig, preset
+
+ENC = msgspec.msgpack.Encoder()
+
+
+def encoded(config: WorkloadConfig, steps: int) -> list:
+    return [
+        [[[ENC.encode(e) for e in rank] for rank in child] for child in step.events]
+        for step in Workload(config).steps(steps)
+    ]
+
+
+def test_module_imports_no_vllm():
+    code = (
+        "import argparse, sys, kvmerge.bench as b; "
+        "b.add_arguments(argparse.ArgumentParser()); "
+        "assert 'vllm' not in sys.modules, 'vllm imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- workload --------------------------------------------------------------------
+def test_workload_is_deterministic_per_seed():
+    cfg = WorkloadConfig(world_size=4, events=40, missing=0.1, late=0.1, duplicate=0.1)
+    assert encoded(cfg, 3) == encoded(cfg, 3)
+    other = WorkloadConfig(**{**cfg.as_dict(), "children": cfg.children, "seed": 1})
+    assert encoded(other, 3) != encoded(cfg, 3)
+
+
+def test_uniform_workload_sizes():
+    step = Workload(WorkloadConfig(world_size=3, events=2000)).next_step()
+    for child in step.events:
+        assert len(child) == 3
+        assert all(rank == child[0] for rank in child)  # same events everywhere
+        assert len(child[0]) == 2000
+        stores = [e for e in child[0] if isinstance(e, BlockStored)]
+        removals = [e for e in child[0] if isinstance(e, BlockRemoved)]
+        assert len(stores) + len(removals) == 2000
+        assert 0.10 < len(removals) / 2000 < 0.20
+        for e in stores:
+            assert 1 <= len(e.block_hashes) <= 16 and e.block_size == 16
+            assert len(e.token_ids) == 16 * len(e.block_hashes)
+            assert all(isinstance(h, int) for h in e.block_hashes)
+    lmcache, mooncake = step.events
+    assert all(e.group_idx is None for e in lmcache[0] if isinstance(e, BlockStored))
+    assert all(e.group_idx == 0 for e in mooncake[0] if isinstance(e, BlockStored))
+
+
+def test_knob_missing():
+    step = Workload(WorkloadConfig(world_size=4, events=200, missing=0.2)).next_step()
+    for child in step.events:
+        counts = Counter(ENC.encode(e) for rank in child for e in rank)
+        partial = [n for n in counts.values() if n < 4]
+        assert partial and all(1 <= n <= 3 for n in partial)
+
+
+def test_knob_late():
+    w = Workload(WorkloadConfig(world_size=4, events=200, late=0.2))
+    s0, s1 = w.next_step(), w.next_step()
+    lane0, lane1 = s0.events[0], s1.events[0]
+    assert min(len(r) for r in lane0) < 200  # some rank held events back
+    everywhere0 = set.intersection(*({ENC.encode(e) for e in r} for r in lane0))
+    late = {ENC.encode(e) for r in lane1 for e in r} & {
+        ENC.encode(e) for r in lane0 for e in r
+    }
+    # Events of step 0 that show up in step 1, on one rank only.
+    assert late and not late & everywhere0
+    for key in late:
+        assert sum(key in {ENC.encode(e) for e in r} for r in lane1) == 1
+
+
+def test_knob_duplicate():
+    step = Workload(WorkloadConfig(world_size=4, events=200, duplicate=0.2)).next_step()
+    for child in step.events:
+        dups = 0
+        for rank in child:
+            for a, b in itertools.pairwise(rank):
+                if a == b:
+                    assert a is not b  # a separate object, as a worker builds it
+                    dups += 1
+        assert dups > 10
+
+
+def test_knob_clears_only_where_the_container_can_carry_them():
+    cfg = WorkloadConfig(
+        world_size=3, events=20, children=("lmcache", "mooncake", "list"), clear_every=2
+    )
+    steps = list(Workload(cfg).steps(4))
+    for step in steps:
+        lmcache, mooncake, lst = step.events
+        for lane in (lmcache, mooncake):
+            assert not any(isinstance(e, AllBlocksCleared) for r in lane for e in r)
+        clears = [sum(isinstance(e, AllBlocksCleared) for e in r) for r in lst]
+        assert clears == ([1, 1, 1] if step.index in (1, 3) else [0, 0, 0])
+
+
+def test_knob_bytes_hashes():
+    step = Workload(
+        WorkloadConfig(world_size=2, events=50, bytes_hashes=True)
+    ).next_step()
+    for e in step.events[0][0]:
+        assert all(isinstance(h, bytes) and len(h) == 32 for h in e.block_hashes)
+
+
+def test_presets():
+    assert preset("skewed", world_size=2, events=4).late > 0
+    with pytest.raises(ValueError):
+        preset("nope")
+
+
+# --- transport -------------------------------------------------------------------
+def test_transport_sends_large_buffers_out_of_band():
+    small = kvmerge.encode([BlockRemoved(block_hashes=[1], medium="CPU")])
+    wire = enqueue(("x", small))
+    assert wire.oob == [] and wire.nbytes == len(wire.main)
+    big_events = [
+        BlockStored(
+            block_hashes=[i],
+            parent_block_hash=None,
+            token_ids=list(range(2048)),
+            block_size=16,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        )
+        for i in range(300)
+    ]
+    big = kvmerge.encode(big_events)
+    assert big.nbytes >= OOB_THRESHOLD
+    wire = enqueue(("x", big))
+    assert [len(b) for b in wire.oob] == [big.nbytes]
+    assert wire.nbytes == len(wire.main) + big.nbytes
+    _, back = dequeue(wire)
+    assert back.decode() == big_events
+
+
+def test_child_diff_reports_missing_extra_reordered():
+    d = ChildDiff()
+    d.compare(0, [b"\x81\xa4type\xb0AllBlocksCleared"], [])
+    assert (d.missing, d.extra, d.equal) == (1, 0, False)
+    assert "step 0" in d.first
+    same = ChildDiff()
+    same.compare(0, [b"a", b"b"], [b"a", b"b"])
+    assert same.equal
+
+
+# --- end to end ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference():
+    module, why = load_reference()
+    assert module is not None, why
+    return module
+
+
+def test_vllm_path_differs_on_a_skewed_workload_kvmerge_does_not(reference):
+    cfg = WorkloadConfig(world_size=2, events=24, late=0.2, duplicate=0.2, seed=3)
+    res = run_case(
+        Case("custom", 2, 24),
+        steps=3,
+        warmup=1,
+        seed=3,
+        reference=reference,
+        check_limit=10_000,
+        config=cfg,
+    )
+    a, b = res["check"]["A"], res["check"]["B"]
+    assert all(d["equal"] for d in b)
+    # LMCache's rule loses late events and events a worker repeated.
+    assert not a[0]["equal"] and a[0]["missing"] > 0
+
+
+def test_tiny_bench_end_to_end(tmp_path, capsys):
+    out = tmp_path / "res"
+    argv = [
+        "--tp", "2,4", "--events", "8,16",
+        "--workloads", "skewed,clears", "--workload-tp", "2", "--workload-events", "8",
+        "--steps", "2", "--warmup", "1", "--profile", "2x8", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "A sched ms" in text and "targets:" in text and "load average" in text
+    doc = json.loads((out / "bench.json").read_text())
+    assert [c["case"] for c in doc["cases"]] == [
+        "uniform/tp2/8",
+        "uniform/tp2/16",
+        "uniform/tp4/8",
+        "uniform/tp4/16",
+        "skewed/tp2/8",
+        "clears/tp2/8",
+    ]
+    for case in doc["cases"]:
+        assert len(case["records"]["A"]) == len(case["records"]["B"]) == 2
+        for path in ("A", "B"):
+            s = case["summary"][path]
+            assert s["scheduler_ms"] > 0 and s["worker_ms_per_rank"] > 0
+            assert s["bytes_per_rank"] > 0
+        # Path B's merged output equals the reference model, child by child.
+        assert [d["equal"] for d in case["check"]["B"]] == [True] * len(
+            case["children"]
+        )
+    assert {t["target"].split(":")[0] for t in doc["targets"]}
+    assert "profile" in doc and doc["profile"]["scheduler"]["B"]["total"] > 0
+    png = (out / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+def test_cli_registers_bench():
+    from kvmerge.cli import SUBCOMMANDS, build_parser
+
+    assert SUBCOMMANDS["bench"][0] == "kvmerge.bench"
+    args = build_parser().parse_args(["bench", "--quick"])
+    assert args.quick
+    assert [c.key for c in grid_from_args(args)][:2] == [
+        "uniform/tp2/16",
+        "uniform/tp2/32",
+    ]
+
+
+def test_run_bench_as_a_module_without_checks():
+    doc = run_bench([Case("bytes", 2, 4)], steps=1, warmup=0, check=False, log=print)
+    (case,) = doc["cases"]
+    assert case["check"] is None and case["summary"]["B"]["events_in_per_step"] == 16
+    assert doc["settings"]["reference"].startswith("disabled")
+
+
+def test_bad_arguments():
+    p = argparse.ArgumentParser()
+    from kvmerge.bench import add_arguments
+
+    add_arguments(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tp", "0"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--profile", "8by512"])
