@@ -15,6 +15,16 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "example": ("kvmerge.example", "a small encode / carry / merge example"),
+    "bench": ("kvmerge.bench", "kvmerge against vLLM 0.33.0's own KV-event path"),
+    "demo": (
+        "kvmerge.demo",
+        "run the whole pipeline live (TP worker processes, vLLM's transport and "
+        "publisher) and check the published stream",
+    ),
+    "subscribe": (
+        "kvmerge.subscribe",
+        "read a vLLM KV-event stream: rates, sequence gaps, replay, JSON lines",
+    ),
 }
 
 

@@ -1,0 +1,467 @@
+"""``kvmerge demo``: options, a small real run (worker processes, vLLM's shm
+MessageQueue, KVOutputAggregator, KVMergeMultiConnector, ZmqEventPublisher, the
+checking subscriber, and --compare), Ctrl-C, and the demo's own checks.
+
+The runs are subprocesses of the installed command (``python -m kvmerge``) with
+small settings: each imports vLLM once (its workers are forked from it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CMD = [sys.executable, "-m", "kvmerge"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+CONNECTORS = ("DemoLMCacheConnector", "DemoMooncakeConnector", "DemoUMBPConnector")
+
+
+def kvmerge(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CMD, *args], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
+
+
+def number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+# --- options (no vLLM import) ------------------------------------------------------
+def test_help_is_fast_and_lists_the_commands():
+    t = time.monotonic()
+    proc = kvmerge("--help")
+    assert proc.returncode == 0
+    assert time.monotonic() - t < 10  # no vLLM import
+    for name in ("demo", "subscribe", "example"):
+        assert re.search(rf"^\s+{name}\b", proc.stdout, re.M), name
+
+
+def test_demo_help_explains_every_option():
+    proc = kvmerge("demo", "--help")
+    assert proc.returncode == 0
+    for option in (
+        "--steps",
+        "--workers",
+        "--rate",
+        "--seed",
+        "--connectors",
+        "--clear-every",
+        "--max-pending-steps",
+        "--interval",
+        "--compare",
+        "--endpoint",
+        "--replay-endpoint",
+        "--topic",
+        "--start-method",
+        "--plain",
+        "--verbose",
+    ):
+        assert option in proc.stdout, option
+    assert "exit status" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "0"], "--workers: must be between 1 and 64"),
+        (["--steps", "x"], "--steps: not an integer"),
+        (["--connectors", "lmcache,nixl"], "--connectors: expected a comma"),
+        (["--connectors", "umbp,umbp"], "listed twice"),
+        (["--endpoint", "tcp://127.0.0.1:5557"], "expected ipc://PATH"),
+        (["--endpoint", "ipc:///no/such/dir/kv"], "no such directory"),
+        (["--interval", "-1"], "--interval: must be between 0 and 60"),
+        (["--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_bad_options_exit_2_with_a_one_line_error(args, message):
+    proc = kvmerge("demo", *args, timeout=60)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+# --- a real run ------------------------------------------------------------------
+def lane_table(out: str) -> dict[str, list[int]]:
+    """connector -> [events in, out, pending, expired, cleared] (first table)."""
+    rows: dict[str, list[int]] = {}
+    for line in out.splitlines():
+        m = re.match(r"(Demo\w+Connector|total)\s+.*?((?:\s+[\d,]+){5})$", line)
+        if m and m.group(1) not in rows:
+            rows[m.group(1)] = [number(x) for x in m.group(2).split()]
+    return rows
+
+
+@dataclass
+class DemoRun:
+    demo: subprocess.CompletedProcess[str]
+    subscriber: subprocess.CompletedProcess[str]
+    jsonl: Path
+
+
+@functools.cache
+def demo_with_subscriber() -> DemoRun:
+    """One small demo run (with --compare), and ``kvmerge subscribe`` reading
+    its publisher at the same time (started together: both import vLLM).
+    Shared by this file's and test_cli_subscribe's tests."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvmerge-test-demo-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    endpoint = f"ipc://{tmp}/kv"
+    replay = f"ipc://{tmp}/kv-replay"
+    jsonl = tmp / "stream.jsonl"
+    subscriber = subprocess.Popen(
+        [
+            *CMD,
+            "subscribe",
+            endpoint,
+            "--replay",
+            replay,
+            "--topic",
+            "kv-events",
+            "--history",
+            "--idle",
+            "3",
+            "--duration",
+            "240",
+            "--jsonl",
+            str(jsonl),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        demo = kvmerge(
+            "demo",
+            "--steps",
+            "80",
+            "--rate",
+            "6",
+            "--seed",
+            "7",
+            "--clear-every",
+            "25",
+            "--interval",
+            "0",
+            "--compare",
+            "--endpoint",
+            endpoint,
+            "--replay-endpoint",
+            replay,
+        )
+        out, err = subscriber.communicate(timeout=120)
+    finally:
+        if subscriber.poll() is None:
+            subscriber.kill()
+            subscriber.wait()
+    return DemoRun(
+        demo,
+        subprocess.CompletedProcess(subscriber.args, subscriber.returncode, out, err),
+        jsonl,
+    )
+
+
+def test_demo_runs_the_pipeline_and_every_check_passes():
+    proc = demo_with_subscriber().demo
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "\x1b[" not in out  # not a terminal: plain lines
+    assert "4 workers (TP ranks), 80 steps, seed 7" in out
+    assert "publishing on ipc://" in out and "/kv (topic 'kv-events'" in out
+    assert re.search(r"^step 80/80 ", out, re.M)  # the progress lines
+    # The summary table: every child, and the totals add up.
+    rows = lane_table(out)
+    assert set(rows) == {*CONNECTORS, "total"}, out
+    for column in range(5):
+        assert rows["total"][column] == sum(rows[c][column] for c in CONNECTORS)
+    events_in, events_out = rows["total"][0], rows["total"][1]
+    assert events_in > events_out > 0
+    # UMBP's store is shared (rule any): every rank reports the same events,
+    # nothing waits or expires.
+    assert rows["DemoUMBPConnector"][2:4] == [0, 0]
+    # Seed 7 resets the prefix cache at steps 8, 10, 33, 42 and 70 (clear-every 25).
+    m = re.search(
+        r"^published ([\d,]+) batches, ([\d,]+) events \((\d+) All", out, re.M
+    )
+    assert m, out
+    batches, events, clears = (number(g) for g in m.groups())
+    assert clears == 5
+    assert events == events_out + clears
+    m = re.search(
+        r"^subscriber read ([\d,]+) batches \(seq 0\.\.(\d+)\), ([\d,]+) events",
+        out,
+        re.M,
+    )
+    assert m, out
+    assert (number(m.group(1)), number(m.group(2)), number(m.group(3))) == (
+        batches,
+        batches - 1,
+        events,
+    )
+    checks = re.findall(r"^  (ok  |FAIL) (\w+):", out, re.M)
+    assert checks == [
+        ("ok  ", "sequence"),
+        ("ok  ", "parents"),
+        ("ok  ", "duplicates"),
+        ("ok  ", "counts"),
+    ], out
+    assert f"the mergers got the {events_in:,} reports the workers made" in out
+    assert "result: every check passed" in out
+    # --compare: the in-process replay of kvmerge's path publishes exactly what
+    # the processes did; vLLM's own path is checked the same way.
+    compare = out[out.index("--compare:") :]
+    for name in CONNECTORS:
+        m = re.search(
+            rf"^{name}\s+\S+(?: \[[\d, ]+\])?\s+([\d,]+)\s+([\d,]+)$", compare, re.M
+        )
+        assert m, compare
+        assert number(m.group(1)) == rows[name][1], name
+    assert re.search(
+        r"^  kvmerge: [\d,]+ events, 0 stores published before their parent's, 0 "
+        r"published more often",
+        compare,
+        re.M,
+    ), compare
+    assert re.search(
+        r"^  vLLM   : [\d,]+ events, [\d,]+ stores published before", compare, re.M
+    )
+    assert re.search(r"vLLM / kvmerge scheduler time per step: [\d.]+x at p50", compare)
+
+
+# --- Ctrl-C ----------------------------------------------------------------------
+class Running:
+    """A demo subprocess whose output lines are read on a thread."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [*CMD, "demo", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, "".join(self.seen)
+                continue
+            self.seen.append(line)
+            if re.search(pattern, line):
+                return line
+        raise AssertionError(f"no {pattern!r} in:\n{''.join(self.seen)}")
+
+    def finish(self, timeout: float = 60) -> str:
+        self.proc.wait(timeout)
+        time.sleep(0.2)
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return "".join(self.seen)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (None: no process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process under ``pid`` (from /proc): pid -> its start time."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if fields := _stat(child):
+                out[child] = fields[19]
+            todo.append(child)
+    return out
+
+
+def assert_all_gone(family: dict[int, str], timeout: float = 10) -> None:
+    """None of these processes exists any more, not even as a zombie (the
+    demo reaps its workers and multiprocessing's resource tracker)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {
+            pid: " ".join(f[:1])
+            for pid, started in family.items()
+            if (f := _stat(pid)) is not None and f[19] == started
+        }
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes left (pid: state): {left}")
+        time.sleep(0.2)
+
+
+def test_ctrl_c_stops_cleanly_while_starting_and_while_stepping():
+    """SIGINT to the main process (as Ctrl-C): once right after the workers
+    were started (they are building their connectors), once while it steps.
+    Exit code 130, no process left running, the shared memory unlinked.
+    (Both demos run at the same time: each imports vLLM.)"""
+    starting = Running("--steps", "50", "--plain")
+    stepping = Running("--steps", "20000", "--verbose", "--plain")
+    try:
+        starting.wait_for(r"^started 4 worker processes")
+        early_family = descendants(starting.proc.pid)
+        starting.proc.send_signal(signal.SIGINT)
+
+        stepping.wait_for(r"^workers ready")
+        out = "".join(stepping.seen)
+        workers = dict(
+            (int(r), int(p))
+            for r, p in re.findall(r"worker (\d+): pid (\d+), response", out)
+        )
+        shm = re.findall(r"shm (psm_\w+)", out)
+        assert len(workers) == 4 and len(shm) == 5, out
+        family = descendants(stepping.proc.pid)
+        assert set(workers.values()) <= set(family)
+        time.sleep(1.0)  # some steps
+        stepping.proc.send_signal(signal.SIGINT)
+
+        early_out = starting.finish()
+        out = stepping.finish()
+    finally:
+        for demo in (starting, stepping):
+            if demo.proc.poll() is None:
+                demo.proc.kill()
+                demo.proc.wait()
+    assert starting.proc.returncode == 130, early_out
+    assert "interrupted" in early_out and "Traceback" not in early_out
+    assert_all_gone(early_family)
+
+    assert stepping.proc.returncode == 130, out
+    assert re.search(r"interrupted after \d+ of 20000 steps: workers stopped", out)
+    assert "Traceback" not in out
+    assert_all_gone(family)
+    for name in shm:
+        assert not Path("/dev/shm", name).exists(), name
+
+
+def test_a_failed_check_exits_1():
+    """Without waiting (max_pending_steps 0, vLLM's same-step rule) the late
+    rank's reports expire, and children get published without their parents:
+    the subscriber's parent check sees it. (Also: 3 ranks, two children.)"""
+    proc = kvmerge(
+        "demo",
+        "--steps",
+        "60",
+        "--workers",
+        "3",
+        "--connectors",
+        "mooncake,lmcache",
+        "--max-pending-steps",
+        "0",
+        "--interval",
+        "0",
+    )
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr[-3000:]
+    assert "3 workers (TP ranks)" in out
+    assert set(lane_table(out)) == {
+        "DemoMooncakeConnector",
+        "DemoLMCacheConnector",
+        "total",
+    }
+    assert re.search(
+        r"^  FAIL parents: [\d,]+ stores with a parent, [\d,]+ published", out, re.M
+    )
+    assert re.search(
+        r"^       e\.g\. store of \d+ \(\w+, group \S+\) published before", out, re.M
+    )
+    assert re.search(r"^  ok   sequence:", out, re.M)
+    assert "result: FAILED" in out
+
+
+# --- the workload and the checks, in this process ----------------------------------
+def test_the_workload_is_deterministic_and_ranks_deviate_as_described():
+    from kvmerge.demo.workload import LaneScript, Settings
+
+    settings = Settings(workers=4, rate=10, seed=5, clear_every=0)
+    a = LaneScript(settings, 0, "lmcache")
+    b = LaneScript(settings, 0, "lmcache")
+    late_steps = 0
+    for _ in range(60):
+        sa, sb = a.next_step(), b.next_step()
+        assert sa.batches == sb.batches
+        truth = [r.event for r in sa.truth]
+        # Ranks 0-2 report the truth, give or take a retry or a lost removal;
+        # rank 3 is sometimes late: its batch is last step's tail + a prefix.
+        for rank in range(3):
+            assert abs(len(sa.batches[rank]) - len(truth)) <= 1
+        late_steps += sa.batches[3] != truth
+    assert late_steps > 5
+    m = LaneScript(settings, 1, "mooncake")
+    step = m.next_step()
+    assert {e.group_idx for e in step.batches[0]} == {0, 1}
+    # Group 1 is replicated on 2 of 4 ranks: ranks 0 and 2 report its stores.
+    replicas = {r for r in range(4) if any(e.group_idx == 1 for e in step.batches[r])}
+    assert replicas <= {0, 2}
+
+
+def test_the_checker_finds_orphans_and_excess_duplicates():
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+
+    from kvmerge.demo.checks import (
+        ReportCounts,
+        StreamChecker,
+        check_duplicates,
+        event_key,
+    )
+
+    def store(h, parent=None):
+        return BlockStored(
+            block_hashes=[h],
+            parent_block_hash=parent,
+            token_ids=[1],
+            block_size=1,
+            lora_id=None,
+            medium="X",
+            lora_name=None,
+        )
+
+    checker = StreamChecker()
+    checker.feed([store(1), store(2, 1), AllBlocksCleared(), store(3, 2), store(1)])
+    assert (checker.orphans, checker.stores_with_parent, checker.clears) == (1, 2, 1)
+    reports = ReportCounts(world=2)
+    reports.counts[event_key(store(1))] = [2, 1]  # rank 0 repeated it
+    reports.counts[event_key(store(2, 1))] = [1, 1]
+    dups = check_duplicates(checker, reports)
+    # store(1) published twice but rank 1 reported it once; store(3, 2) never.
+    assert (dups.excess, dups.unknown, dups.ok) == (1, 1, False)
+    reports.counts[event_key(store(1))] = [2, 2]
+    reports.counts[event_key(store(3, 2))] = [1, 1]
+    dups = check_duplicates(checker, reports)
+    assert (dups.repeated, dups.ok) == (1, True)
