@@ -10,6 +10,7 @@ Expectations are worked out by hand from docs/merge-rules.md.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
 
@@ -555,3 +556,23 @@ def test_world_and_rank_under_the_external_launcher():
     assert worker_rank(cfg) == 3 and aggregated_world_size(cfg) == 4
     cfg.parallel_config.distributed_executor_backend = "external_launcher"
     assert worker_rank(cfg) == 0 and aggregated_world_size(cfg) == 1
+
+
+def test_worker_loss_is_logged_once_per_incident(bus, caplog):
+    """A rank silent for three steps makes the other rank's reports expire step
+    after step: one warning when it starts, one line when it is over."""
+    c = Cluster([child("LMCacheChild")], bus, tp=2, max_pending_steps=1)
+    caplog.set_level(logging.WARNING, logger="kvmerge.vllm")
+    for step in range(10):
+        lost = 1 <= step <= 3  # rank 1's worker is gone for steps 1-3
+        for r in (0,) if lost else (0, 1):
+            c.emit(r, 0, [stored(step)])
+        c.bus.publish(c.schedule(c.aggregate(ranks=[0] if lost else [0, 1])))
+    lines = [
+        r.getMessage() for r in caplog.records if r.name.startswith("kvmerge.vllm")
+    ]
+    assert len(lines) == 2, lines
+    assert "step 1: rank(s) [1] sent no output" in lines[0]
+    assert "is over" in lines[1]
+    assert "rank(s) [1] sent no output and 3 pending report(s) expired" in lines[1]
+    assert c.scheduler.merge_stats()[0]["expired"] == 3

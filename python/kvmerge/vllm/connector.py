@@ -40,6 +40,7 @@ import kvmerge
 from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError
 
 from .container import KVMergeKVEvents, WorkerReport
+from .incidents import Incidents
 from .native import combine_native
 from .rules import (
     FACTORS_KEY,
@@ -298,6 +299,9 @@ class KVMergeMultiConnector(MultiConnector):
                     "under KVMergeMultiConnector",
                     ", ".join(unseen),
                 )
+            # Quiet for a whole pending window: nothing of the incident is left.
+            self._incidents = Incidents(self._world_size, spec.max_pending_steps + 1)
+            self._steps = 0
             self._lanes = [
                 _Lane(
                     child,
@@ -406,12 +410,21 @@ class KVMergeMultiConnector(MultiConnector):
                 report = earlier.followed_by(report)
             by_rank[report.rank] = report
         ordered = [by_rank[rank] for rank in sorted(by_rank)]
-        return [
+        expired_before = self._expired()
+        native = [
             lane.step(
                 [(r.rank, r.kinds[i], r.payloads[i], r.factors[i]) for r in ordered]
             )
             for i, lane in enumerate(self._lanes)
         ]
+        self._incidents.observe(
+            self._steps, set(by_rank), self._expired() - expired_before
+        )
+        self._steps += 1
+        return native
+
+    def _expired(self) -> int:
+        return sum(lane.merger.stats().expired for lane in self._lanes if lane.merger)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         n = len(self._lanes)
@@ -454,3 +467,5 @@ class KVMergeMultiConnector(MultiConnector):
         finally:
             for lane in self._lanes:
                 lane.reset()
+            if self._lanes:
+                self._incidents.close(self._steps, "closed by reset_cache()")
