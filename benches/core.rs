@@ -28,7 +28,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use kvmerge_core::msgpack::{write_array_header, Reader};
 use kvmerge_core::schema::read_event;
-use kvmerge_core::testing::{clear, payload, Ev};
+use kvmerge_core::testing::{clear, payload, write_stored_tail, write_str, write_uint, Ev};
 use kvmerge_core::{Batch, Identity, Merger, MergerConfig, Rule};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -86,33 +86,9 @@ fn splitmix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-fn str_(out: &mut Vec<u8>, s: &str) {
-    assert!(s.len() < 32);
-    out.push(0xa0 | s.len() as u8);
-    out.extend_from_slice(s.as_bytes());
-}
-
-/// An unsigned int in msgspec's (smallest) encoding.
-fn uint(out: &mut Vec<u8>, v: u64) {
-    if v < 0x80 {
-        out.push(v as u8);
-    } else if v < 0x100 {
-        out.extend_from_slice(&[0xcc, v as u8]);
-    } else if v < 0x1_0000 {
-        out.push(0xcd);
-        out.extend_from_slice(&(v as u16).to_be_bytes());
-    } else if v < 0x1_0000_0000 {
-        out.push(0xce);
-        out.extend_from_slice(&(v as u32).to_be_bytes());
-    } else {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
-}
-
 fn hash(out: &mut Vec<u8>, kind: Hashes, seed: u64) {
     match kind {
-        Hashes::Int => uint(out, splitmix(seed) >> 1),
+        Hashes::Int => write_uint(out, splitmix(seed) >> 1),
         Hashes::Bytes => {
             out.extend_from_slice(&[0xc4, 32]);
             for k in 0..4 {
@@ -129,48 +105,37 @@ fn event(i: u64, kind: Hashes, group: Option<u8>) -> Ev {
     let mut e = Vec::with_capacity(64 + n as usize * 80);
     if i % 7 == 6 {
         e.push(0x83);
-        str_(&mut e, "type");
-        str_(&mut e, "BlockRemoved");
-        str_(&mut e, "block_hashes");
+        write_str(&mut e, "type");
+        write_str(&mut e, "BlockRemoved");
+        write_str(&mut e, "block_hashes");
         write_array_header(&mut e, n as usize);
         for j in 0..n {
             hash(&mut e, kind, (i - 1) * 16 + j);
         }
-        str_(&mut e, "medium");
-        str_(&mut e, "CPU");
+        write_str(&mut e, "medium");
+        write_str(&mut e, "CPU");
         return e;
     }
     e.push(0x80 | if group.is_some() { 9 } else { 8 });
-    str_(&mut e, "type");
-    str_(&mut e, "BlockStored");
-    str_(&mut e, "block_hashes");
+    write_str(&mut e, "type");
+    write_str(&mut e, "BlockStored");
+    write_str(&mut e, "block_hashes");
     write_array_header(&mut e, n as usize);
     for j in 0..n {
         hash(&mut e, kind, i * 16 + j);
     }
-    str_(&mut e, "parent_block_hash");
+    write_str(&mut e, "parent_block_hash");
     if i == 0 {
         e.push(0xc0);
     } else {
         hash(&mut e, kind, i * 16 - 1);
     }
-    str_(&mut e, "token_ids");
+    write_str(&mut e, "token_ids");
     write_array_header(&mut e, 16 * n as usize);
     for t in 0..16 * n {
-        uint(&mut e, splitmix(i << 12 | t) % 128_256);
+        write_uint(&mut e, splitmix(i << 12 | t) % 128_256);
     }
-    str_(&mut e, "block_size");
-    e.push(16);
-    str_(&mut e, "lora_id");
-    e.push(0xc0);
-    str_(&mut e, "medium");
-    str_(&mut e, "CPU");
-    str_(&mut e, "lora_name");
-    e.push(0xc0);
-    if let Some(g) = group {
-        str_(&mut e, "group_idx");
-        e.push(g);
-    }
+    write_stored_tail(&mut e, group);
     e
 }
 

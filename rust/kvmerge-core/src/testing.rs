@@ -6,49 +6,69 @@ use crate::msgpack::write_array_header;
 /// One event, msgpack-encoded as msgspec encodes vLLM's classes.
 pub type Ev = Vec<u8>;
 
-fn str_(out: &mut Vec<u8>, s: &str) {
+/// A short msgpack str (field names, tags), as msgspec writes it.
+pub fn write_str(out: &mut Vec<u8>, s: &str) {
     assert!(s.len() < 32);
     out.push(0xa0 | s.len() as u8);
     out.extend_from_slice(s.as_bytes());
 }
 
-fn uint(out: &mut Vec<u8>, v: u64) {
-    out.push(0xcf);
-    out.extend_from_slice(&v.to_be_bytes());
+/// An unsigned int in msgspec's (smallest) encoding.
+pub fn write_uint(out: &mut Vec<u8>, v: u64) {
+    if v < 0x80 {
+        out.push(v as u8);
+    } else if v < 0x100 {
+        out.extend_from_slice(&[0xcc, v as u8]);
+    } else if v < 0x1_0000 {
+        out.push(0xcd);
+        out.extend_from_slice(&(v as u16).to_be_bytes());
+    } else if v < 0x1_0000_0000 {
+        out.push(0xce);
+        out.extend_from_slice(&(v as u32).to_be_bytes());
+    } else {
+        out.push(0xcf);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
+/// A `BlockStored`'s fields after `token_ids`: block size 16, medium "CPU",
+/// no LoRA, and `group_idx` when given (the map header must count it).
+pub fn write_stored_tail(e: &mut Vec<u8>, group: Option<u8>) {
+    write_str(e, "block_size");
+    e.push(16);
+    write_str(e, "lora_id");
+    e.push(0xc0);
+    write_str(e, "medium");
+    write_str(e, "CPU");
+    write_str(e, "lora_name");
+    e.push(0xc0);
+    if let Some(g) = group {
+        write_str(e, "group_idx");
+        e.push(g);
+    }
 }
 
 /// `BlockStored` with `n_hashes` hashes derived from `h`, `tokens` token ids.
 pub fn stored_with(h: u64, group: Option<u8>, n_hashes: usize, tokens: usize) -> Ev {
     let mut e = vec![0x80 | if group.is_some() { 9 } else { 8 }];
-    str_(&mut e, "type");
-    str_(&mut e, "BlockStored");
-    str_(&mut e, "block_hashes");
+    write_str(&mut e, "type");
+    write_str(&mut e, "BlockStored");
+    write_str(&mut e, "block_hashes");
     write_array_header(&mut e, n_hashes);
     for i in 0..n_hashes as u64 {
-        uint(
+        write_uint(
             &mut e,
             h.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(i),
         );
     }
-    str_(&mut e, "parent_block_hash");
+    write_str(&mut e, "parent_block_hash");
     e.push(0xc0);
-    str_(&mut e, "token_ids");
+    write_str(&mut e, "token_ids");
     write_array_header(&mut e, tokens);
     for t in 0..tokens {
         e.extend_from_slice(&[0xcd, (t >> 8) as u8, t as u8]);
     }
-    str_(&mut e, "block_size");
-    e.push(16);
-    str_(&mut e, "lora_id");
-    e.push(0xc0);
-    str_(&mut e, "medium");
-    str_(&mut e, "CPU");
-    str_(&mut e, "lora_name");
-    e.push(0xc0);
-    if let Some(g) = group {
-        str_(&mut e, "group_idx");
-        e.push(g);
-    }
+    write_stored_tail(&mut e, group);
     e
 }
 
@@ -58,19 +78,19 @@ pub fn stored(h: u8, group: Option<u8>) -> Ev {
 
 pub fn removed(h: u8) -> Ev {
     let mut e = vec![0x83];
-    str_(&mut e, "type");
-    str_(&mut e, "BlockRemoved");
-    str_(&mut e, "block_hashes");
+    write_str(&mut e, "type");
+    write_str(&mut e, "BlockRemoved");
+    write_str(&mut e, "block_hashes");
     e.extend_from_slice(&[0x91, h & 0x7f]);
-    str_(&mut e, "medium");
+    write_str(&mut e, "medium");
     e.push(0xc0);
     e
 }
 
 pub fn clear() -> Ev {
     let mut e = vec![0x81];
-    str_(&mut e, "type");
-    str_(&mut e, "AllBlocksCleared");
+    write_str(&mut e, "type");
+    write_str(&mut e, "AllBlocksCleared");
     e
 }
 
