@@ -3,12 +3,12 @@
 //!
 //! | group | what | throughput |
 //! | --- | --- | --- |
-//! | `encode/{int,bytes}` | msgspec payload -> batch: parse, check, BLAKE3 identities | events |
+//! | `encode/{int,bytes}` | msgspec payload -> batch: parse, check, XXH3-128 identities | events |
 //! | `identity/{int,bytes}` | the fingerprint alone: `Identity::of` every event's bytes | events |
 //! | `decode/{int,bytes}` | a received batch: `Batch::from_vec` (XXH3, records) and reading every event back with the schema reader | events |
-//! | `merge_{all,quorum,any}[_skewed]/{int,bytes}/R_ranks` | R ranks' batches added, `finish_step` | events of all ranks |
-//! | `raw/{int,bytes}` | the merged batch's output: each event's byte range (what `finish_step_raw` wraps as `msgspec.Raw` views) | events |
-//! | `gather/{int,bytes}` | a new batch of every other event (what a merge's output costs to build) | events |
+//! | `merge_{all,quorum,any}[_skewed]/{int,bytes}/R_ranks` | R ranks' batches, as workers send them (each event's bytes only from its carriers), added; `finish_step_published` (what `finish_step_raw` reads: the events where they arrived, nothing copied) | events of all ranks |
+//! | `raw/{int,bytes}` | the merged batch's output: each event's byte range (what `finish_step_raw` copies into a `bytes` per `msgspec.Raw`) | events |
+//! | `gather/{int,bytes}` | a new batch of every other event (what `finish_step()` adds to build its output batch) | events |
 //!
 //! Events look like the offloading connectors' (see `kvmerge bench`): block
 //! size 16, 1-16 hashes per `BlockStored` (16 token ids per hash), 1 event in
@@ -230,9 +230,11 @@ fn decode(c: &mut Criterion) {
     g.finish();
 }
 
-/// Per-rank batches for one step. `skew` drops every 10th event on the last
-/// rank and adds a clear to every rank, forcing the general merge path.
-fn step_batches(ranks: usize, n: usize, kind: Hashes, skew: bool) -> Vec<Arc<Batch>> {
+/// Per-rank batches for one step, each encoded for its rank of `cfg` (the
+/// bytes other ranks carry left out). `skew` drops every 10th event on the
+/// last rank and adds a clear to every rank, forcing the general merge path.
+fn step_batches(cfg: &MergerConfig, n: usize, kind: Hashes, skew: bool) -> Vec<Arc<Batch>> {
+    let ranks = cfg.world_size;
     let base = events(n, kind);
     (0..ranks)
         .map(|r| {
@@ -249,7 +251,7 @@ fn step_batches(ranks: usize, n: usize, kind: Hashes, skew: bool) -> Vec<Arc<Bat
                 evs.insert(evs.len() / 2, clear());
             }
             // One batch per rank, as the ranks' workers would send them.
-            Arc::new(batch_of(&evs))
+            Arc::new(Batch::encode_for(&payload(&evs), Some((cfg, r))).expect("valid events"))
         })
         .collect()
 }
@@ -272,11 +274,11 @@ fn merge(c: &mut Criterion) {
         for &kind in &grid.merge_hashes {
             for &w in &grid.ranks {
                 for &n in &grid.sizes {
-                    let batches = step_batches(w, n, kind, skew);
                     let mut cfg = MergerConfig::new(w, rule);
                     if rule == Rule::Quorum {
                         cfg.replication_factors = Some(vec![1]);
                     }
+                    let batches = step_batches(&cfg, n, kind, skew);
                     let mut m = Merger::new(cfg).unwrap();
                     sized(&mut g, w * n);
                     g.throughput(Throughput::Elements((w * n) as u64));
@@ -286,7 +288,7 @@ fn merge(c: &mut Criterion) {
                             for (r, batch) in batches.iter().enumerate() {
                                 m.add(r as i64, batch.clone()).unwrap();
                             }
-                            black_box(m.finish_step())
+                            black_box(m.finish_step_published())
                         })
                     });
                 }
@@ -309,7 +311,7 @@ fn raw(c: &mut Criterion) {
                     let bytes = batch.bytes();
                     (0..batch.len())
                         .map(|i| {
-                            let r = batch.event_range(black_box(i));
+                            let r = batch.event_range(black_box(i)).expect("carried");
                             bytes[r.start] as usize + r.len()
                         })
                         .sum::<usize>()

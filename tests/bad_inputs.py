@@ -95,6 +95,19 @@ def merger_then(
 
 
 B = kvmerge.encode
+
+
+def lean() -> EventBatch:
+    """Rank 0's batch in a world of 4: most events' bytes left to others."""
+    batch = B(
+        [BlockRemoved(block_hashes=[h], medium=None) for h in range(40)],
+        rank=0,
+        world_size=4,
+    )
+    assert batch.elided > 0
+    return batch
+
+
 CASES: list[tuple[str, Callable[[], object]]] = [
     # -- encode: not a list of events
     ("encode('BlockStored')", lambda: B("BlockStored")),
@@ -161,7 +174,8 @@ CASES: list[tuple[str, Callable[[], object]]] = [
         "from_buffer(msgspec bytes of events)",
         lambda: EventBatch.from_buffer(msgspec.msgpack.encode([stored()]) * 2),
     ),
-    ("from_buffer: version byte 2", lambda: EventBatch.from_buffer(edit(4, 2))),
+    ("from_buffer: version byte 1 (older)", lambda: EventBatch.from_buffer(edit(4, 1))),
+    ("from_buffer: version byte 3", lambda: EventBatch.from_buffer(edit(4, 3))),
     ("from_buffer: reserved byte set", lambda: EventBatch.from_buffer(edit(6, 1))),
     ("from_buffer: event count + 1", lambda: EventBatch.from_buffer(edit(8, 3))),
     ("from_buffer: last byte cut", lambda: EventBatch.from_buffer(good()[:-1])),
@@ -216,6 +230,22 @@ CASES: list[tuple[str, Callable[[], object]]] = [
         "quorum [1]: add(1, BlockStored group_idx=-1)",
         merger_then(lambda m: m.add(1, B([stored(group_idx=-1)])), 2, "quorum", [1]),
     ),
+    (
+        "encode for rank 0 of 4, added to a Merger(2)",
+        lambda: Merger(2).add(0, lean()),
+    ),
+    # -- encode with a rank: bytes other ranks carry left out
+    ("encode(events, rank=0)  # no world_size", lambda: B([stored()], rank=0)),
+    (
+        "encode(events, rank=4, world_size=4)",
+        lambda: B([stored()], rank=4, world_size=4),
+    ),
+    (
+        "encode(events, rank=0, world_size=4, rule='quorum')",
+        lambda: B([stored()], rank=0, world_size=4, rule="quorum"),
+    ),
+    ("decode() of such a batch", lambda: lean().decode()),
+    ("raw() of such a batch", lambda: lean().raw()),
     # -- EventBatch.take
     ("take([5]) of a 1-event batch", lambda: B([stored()]).take([5])),
     ("take([2**70])", lambda: B([stored()]).take([2**70])),

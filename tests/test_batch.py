@@ -2,6 +2,7 @@
 
 import contextlib
 import pickle
+import threading
 
 import msgspec
 import pytest
@@ -229,3 +230,35 @@ def test_multimodal_extra_keys_round_trip():
     )
     assert any(isinstance(v, tuple) for v in extra[0])  # the case is real
     assert kvmerge.encode([event]).decode() == [event]
+
+
+def _address(buffer) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+def test_borrow_buffers_borrows_read_only_buffers_only_inside_the_block():
+    source = bytearray(
+        bytes(kvmerge.encode([BlockRemoved(block_hashes=[1], medium=None)]))
+    )
+    view = memoryview(source).toreadonly()
+    outside = EventBatch.from_buffer(view)
+    assert _address(outside) != _address(view)  # an unknown exporter: copied
+    with kvmerge.borrow_buffers():
+        with kvmerge.borrow_buffers():  # blocks nest
+            pass
+        inside = EventBatch.from_buffer(view)
+        writable = EventBatch.from_buffer(source)  # not read-only: still copied
+        elsewhere: list[EventBatch] = []
+        thread = threading.Thread(
+            target=lambda: elsewhere.append(EventBatch.from_buffer(view))
+        )
+        thread.start()
+        thread.join()
+    after = EventBatch.from_buffer(view)
+    assert _address(inside) == _address(view)
+    assert _address(writable) != _address(source)
+    assert _address(elsewhere[0]) != _address(view)  # the block is per thread
+    assert _address(after) != _address(view)
+    assert inside.decode() == outside.decode()

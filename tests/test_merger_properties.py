@@ -8,6 +8,7 @@ spec); none compares the engine with itself.
 from collections import Counter
 
 import msgspec
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import DECODER, ReferenceMerger, assert_same_events, assert_same_stats
@@ -34,11 +35,27 @@ FINISH = {
 }
 
 
-def run(config, scenario, data=None, finish="finish_step"):
+def lean_encode(events, rank, config):
+    """What a worker of this merger sends: the bytes of the events other ranks
+    are bound to carry left out (their records kept)."""
+    batch = kvmerge.encode(
+        events,
+        rank=rank,
+        world_size=config["world_size"],
+        rule=config.get("rule", "all"),
+        replication_factors=config.get("replication_factors"),
+    )
+    assert batch.identities() == kvmerge.encode(events).identities()
+    return batch
+
+
+def run(config, scenario, data=None, finish="finish_step", lean=False):
     """Drive engine and model through a scenario, comparing after each step.
 
     With `data`, each step adds the ranks in a freshly drawn order: the model
     ignores add order by construction, so this checks the engine does too.
+    With `lean`, the engine gets the batches workers send (`lean_encode`);
+    the model always has every event.
     """
     engine = kvmerge.Merger(**config)
     model = ReferenceMerger(**config)
@@ -47,7 +64,11 @@ def run(config, scenario, data=None, finish="finish_step"):
         if data is not None:
             ranks = data.draw(st.permutations(ranks), label="add order")
         for rank in ranks:
-            engine.add(rank, kvmerge.encode(batches[rank]))
+            events = batches[rank]
+            engine.add(
+                rank,
+                lean_encode(events, rank, config) if lean else kvmerge.encode(events),
+            )
             model.add(rank, batches[rank])
         assert_same_stats(engine.stats(), model)
         got = FINISH[finish](engine)
@@ -61,11 +82,12 @@ def run(config, scenario, data=None, finish="finish_step"):
     scenarios(),
     max_pending,
     st.sampled_from(sorted(FINISH)),
+    st.booleans(),
     st.data(),
 )
-def test_all_and_any_agree_with_reference(rule, scenario, mps, finish, data):
+def test_all_and_any_agree_with_reference(rule, scenario, mps, finish, lean, data):
     config = dict(world_size=scenario.world_size, rule=rule, max_pending_steps=mps)
-    run(config, scenario, data, finish)
+    run(config, scenario, data, finish, lean)
 
 
 @st.composite
@@ -75,8 +97,14 @@ def quorum_cases(draw):
     return world_size, factors, scenario
 
 
-@given(quorum_cases(), max_pending, st.sampled_from(sorted(FINISH)), st.data())
-def test_quorum_agrees_with_reference(case, mps, finish, data):
+@given(
+    quorum_cases(),
+    max_pending,
+    st.sampled_from(sorted(FINISH)),
+    st.booleans(),
+    st.data(),
+)
+def test_quorum_agrees_with_reference(case, mps, finish, lean, data):
     world_size, factors, scenario = case
     config = dict(
         world_size=world_size,
@@ -84,7 +112,7 @@ def test_quorum_agrees_with_reference(case, mps, finish, data):
         replication_factors=factors,
         max_pending_steps=mps,
     )
-    run(config, scenario, data, finish)
+    run(config, scenario, data, finish, lean)
 
 
 @st.composite
@@ -352,3 +380,51 @@ def test_an_event_comes_out_at_the_report_that_completes_it(w, rule, pool, data)
         return firsts[q - 1]
 
     assert_same_events(engine.finish_step(), sorted(pool, key=completed_at))
+
+
+@given(
+    st.integers(2, 6),
+    st.sampled_from(["all", "quorum"]),
+    st.lists(block_removed(), min_size=1, max_size=12, unique_by=key),
+)
+def test_each_event_travels_with_its_bytes_once_under_all(world_size, rule, events):
+    """Under "all" (and "quorum" with factor 1) exactly one rank carries each
+    event's bytes; every rank reports every event."""
+    factors = [1] if rule == "quorum" else None
+    batches = [
+        kvmerge.encode(
+            events,
+            rank=r,
+            world_size=world_size,
+            rule=rule,
+            replication_factors=factors,
+        )
+        for r in range(world_size)
+    ]
+    assert sum(len(b) - b.elided for b in batches) == len(events)
+    assert all(len(b) == len(events) for b in batches)
+
+
+def test_wrongly_left_out_bytes_are_refused_and_change_nothing():
+    events = [BlockRemoved(block_hashes=[h], medium=None) for h in range(40)]
+    # Encoded for a world of 4, merged in a world of 2: rank 0 leaves out some
+    # events a world of 2 gives it to carry.
+    lean = kvmerge.encode(events, rank=0, world_size=4)
+    assert lean.elided > 0
+    merger = kvmerge.Merger(2, "all")
+    with pytest.raises(kvmerge.ConfigError, match="must carry"):
+        merger.add(0, lean)
+    assert merger.stats().batches == 0
+    merger.add(0, kvmerge.encode(events))
+    merger.add(1, kvmerge.encode(events))
+    assert len(merger.finish_step()) == len(events)
+    with pytest.raises(kvmerge.IncompleteBatchError, match="without their bytes"):
+        lean.decode()
+    with pytest.raises(kvmerge.IncompleteBatchError):
+        lean.raw()
+    with pytest.raises(kvmerge.ConfigError, match="together"):
+        kvmerge.encode(events, rank=0)
+    with pytest.raises(kvmerge.RankError):
+        kvmerge.encode(events, rank=4, world_size=4)
+    with pytest.raises(kvmerge.ConfigError, match="replication_factors"):
+        kvmerge.encode(events, rank=0, world_size=4, rule="quorum")

@@ -25,6 +25,7 @@ driver after ``ray.get``: in Ray's plasma mapping (/dev/shm) or on the heap.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import random
 import socket
@@ -66,6 +67,7 @@ from vllm_harness import (  # noqa: E402
     stored,
 )
 
+import kvmerge  # noqa: E402
 from kvmerge import EventBatch  # noqa: E402
 from kvmerge.vllm import KVMergeKVEvents, register  # noqa: E402
 
@@ -91,11 +93,12 @@ RULES: list[tuple[str, list[int] | None]] = [
     ("all", None),
 ]
 NATIVE = len(RULES)
-#: Stores in the big step's LMCache batch: 8000 x about 280 bytes, 2.2 MB per
-#: rank, far over Ray's 100 KiB limit for objects returned inline, so each
-#: output goes through the plasma store (and over 1 MiB: out of band in the
-#: MessageQueue too).
-BIG = 8000
+#: Stores in the big step's LMCache batch ("all": each rank carries the bytes
+#: of a quarter of them, and every record): 14000 x about 100 bytes, 1.4 MB
+#: per rank, far over Ray's 100 KiB limit for objects returned inline, so
+#: each output goes through the plasma store (and over 1 MiB: out of band in
+#: the MessageQueue too).
+BIG = 14000
 BIG_START = 10**6
 RAY_TIMEOUT = 120
 
@@ -402,18 +405,30 @@ def test_ray_hands_its_buffer_over_without_copying(probed):
     assert len(batch.decode()) == BIG
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "EventBatch.from_buffer borrows only exporters it knows to be immutable "
-        "(bytes, EventBatch, views of them) and copies anything else once; "
-        "Ray's ray._raylet.SubBuffer is not on that list yet (docs/deployment.md)"
-    ),
-)
-def test_rust_side_borrows_rays_buffer(probed):
-    _ref, obj, probe, _loc = probed
-    assert probe["batch_address"] == probe["buffer_address"]
-    assert ra.in_object_store(ra.address_of(obj["batch"]))
+def test_rust_side_borrows_rays_buffer_when_the_caller_vouches(ranks):
+    """Inside ``kvmerge.borrow_buffers()`` the batch the Rust side reads is
+    Ray's plasma buffer itself; outside it, the same object is copied once
+    (the SubBuffer type also views reusable compiled-graph channels)."""
+    ref = ranks[1].probe.remote(BIG)
+    ra.PROBES.clear()
+    with kvmerge.borrow_buffers():
+        borrowed = ray.get(ref, timeout=RAY_TIMEOUT)
+    copied = ray.get(ref, timeout=RAY_TIMEOUT)
+    inside, outside = ra.PROBES
+    assert inside["chain"] == outside["chain"] == ["ray._raylet.SubBuffer"]
+    assert inside["batch_address"] == inside["buffer_address"]
+    assert ra.in_object_store(ra.address_of(borrowed["batch"]))
+    assert outside["batch_address"] != outside["buffer_address"]
+    assert not ra.in_object_store(outside["batch_address"])
+    # The batch keeps the plasma object alive after the last ObjectRef is
+    # gone: it holds Ray's buffer, which pins the object.
+    del ref, copied, inside, outside
+    ra.PROBES.clear()
+    gc.collect()
+    batch = borrowed["probe"]
+    assert bytes(batch) == bytes(borrowed["batch"])
+    assert batch.decode() == ra.chain_events(BIG)
+    assert ra.in_object_store(ra.address_of(batch))
 
 
 # --- through vLLM 0.33.0 RayExecutorV2's response MessageQueue -------------------

@@ -381,7 +381,20 @@ def test_container_pickles_out_of_band_and_aggregates_without_decoding(
     assert len(buffers) == 1
     assert b"BlockStored" not in data and b"kv_events" not in data
     copy = pickle.loads(data, buffers=buffers)
-    assert copy.reports[0].payloads[0].decode() == events
+    sent, got = container.reports[0].payloads[0], copy.reports[0].payloads[0]
+    assert bytes(got) == bytes(sent)
+    assert got.identities() == kvmerge.encode(events).identities()
+    # Rule "all" in a world of 4: each event's bytes travel from one rank.
+    lanes = [
+        o.kv_connector_output.kv_cache_events.reports[0].payloads[0] for o in outputs
+    ]
+    assert sum(len(b) - b.elided for b in lanes) == len(events)
+    assert (
+        copy.reports[0].decode(
+            [o.kv_connector_output.kv_cache_events.reports[0] for o in outputs]
+        )
+        == events
+    )
     assert copy.reports[0].payloads[1] is None  # the silent child
 
     # Through the shm pickling and the aggregator, nothing gets decoded: the

@@ -4,16 +4,21 @@
 the `KVMergeMultiConnector` that wires both into vLLM.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from kvmerge._kvmerge import (
     ConfigError,
     CorruptBatchError,
     EventBatch,
     GroupError,
+    IncompleteBatchError,
     InvalidEventError,
     KVMergeError,
     Merger,
     MergerStats,
     RankError,
+    _borrow_buffers,
     encode,
 )
 
@@ -22,10 +27,32 @@ __all__ = [
     "CorruptBatchError",
     "EventBatch",
     "GroupError",
+    "IncompleteBatchError",
     "InvalidEventError",
     "KVMergeError",
     "Merger",
     "MergerStats",
     "RankError",
+    "borrow_buffers",
     "encode",
 ]
+
+
+@contextmanager
+def borrow_buffers() -> Iterator[None]:
+    """Within this block, on this thread, ``EventBatch.from_buffer`` (and so
+    unpickling a batch) borrows every read-only buffer instead of copying it.
+
+    The caller vouches that no such buffer changes while a batch made of it
+    lives. That holds for what ``ray.get`` returns from Ray's object store (a
+    sealed object, pinned while the batch holds its buffer); it does not hold
+    for a Ray compiled graph's channel, which the next execution overwrites,
+    nor for a read-only view of memory that someone else writes. Outside the
+    block, ``bytes`` and ``EventBatch`` buffers are borrowed and everything
+    else is copied once.
+    """
+    _borrow_buffers(True)
+    try:
+        yield
+    finally:
+        _borrow_buffers(False)

@@ -11,11 +11,13 @@ __all__ = [
     "CorruptBatchError",
     "EventBatch",
     "GroupError",
+    "IncompleteBatchError",
     "InvalidEventError",
     "KVMergeError",
     "Merger",
     "MergerStats",
     "RankError",
+    "_borrow_buffers",
     "encode",
 ]
 
@@ -40,6 +42,9 @@ class RankError(KVMergeError, ValueError):
 class GroupError(KVMergeError, ValueError):
     """A `BlockStored.group_idx` without a replication factor (rule "quorum")."""
 
+class IncompleteBatchError(KVMergeError, ValueError):
+    """A batch whose events' bytes other ranks carry in part: merge it, not read."""
+
 @final
 class EventBatch:
     """An immutable, encoded batch of KV cache events with their identities.
@@ -50,7 +55,8 @@ class EventBatch:
 
     @staticmethod
     def from_buffer(buffer: Any) -> EventBatch:
-        """A batch of a received buffer: borrowed if immutable (bytes), else copied."""
+        """A batch of a received buffer: borrowed if immutable (bytes, or read-only
+        inside `kvmerge.borrow_buffers()`), else copied."""
 
     @staticmethod
     def empty() -> EventBatch: ...
@@ -59,6 +65,9 @@ class EventBatch:
 
     def raw(self) -> list[msgspec.Raw]:
         """Each event's msgpack encoding, ready for a msgspec encoder."""
+
+    def filled(self, sources: Sequence[EventBatch]) -> EventBatch:
+        """This batch with its left-out bytes taken from `sources`, by identity."""
 
     def kinds(self) -> list[str]:
         """Each event's class name, without decoding."""
@@ -72,6 +81,10 @@ class EventBatch:
 
     def identities(self) -> list[bytes]:
         """Each event's 16-byte identity."""
+
+    @property
+    def elided(self) -> int:
+        """How many events' bytes this batch left to other ranks."""
 
     @property
     def nbytes(self) -> int: ...
@@ -125,5 +138,20 @@ class Merger:
     def reset(self) -> None:
         """Drop every pending report and the current step's batches (counters stay)."""
 
-def encode(events: Sequence[_Event]) -> EventBatch:
-    """Encode vLLM KV cache events into a batch (identities computed here)."""
+def _borrow_buffers(enter: bool) -> None:
+    """Open or close a `kvmerge.borrow_buffers()` block on this thread."""
+
+def encode(
+    events: Sequence[_Event],
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    rule: _Rule = "all",
+    replication_factors: Sequence[int] | None = None,
+) -> EventBatch:
+    """Encode vLLM KV cache events into a batch (identities computed here).
+
+    With `rank` and `world_size` (and the merger's `rule` and
+    `replication_factors`), the bytes of the events other ranks are bound to
+    carry are left out; every event's record stays.
+    """

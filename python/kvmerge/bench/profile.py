@@ -10,11 +10,13 @@ Scheduler side, path B (``kv_events_output`` as configured):
   ``validate`` is ``EventBatch.from_buffer`` on the same bytes (the check of
   a received batch: XXH3 over it, the records' spans);
 * ``aggregate``: ``KVOutputAggregator.aggregate``;
-* ``update_connector_output``, of which ``merge`` (``Merger.add_all`` +
-  ``finish_step_batch`` on standalone mergers fed the same batches: the Rust
-  merge) and ``output`` (``EventBatch.raw()`` or ``decode()`` of the merged
-  batch: building the Python objects handed out); the rest is the
-  connector's Python code;
+* ``update_connector_output``, of which, on standalone mergers fed the same
+  batches: ``merge, output as one batch`` (``Merger.add_all`` +
+  ``finish_step_batch``: the Rust merge, and the copy of the published
+  events into one batch) and ``merge and output`` (``add_all`` +
+  ``finish_step_raw()`` or ``finish_step()``: what the connector calls, the
+  Python objects handed out included); the rest is the connector's own
+  Python code;
 * ``take_events``.
 
 Scheduler side, path A: ``unpickle`` (rebuilds each container's ``Counter``:
@@ -73,9 +75,14 @@ def profile_case(
     cfg = preset(workload, world_size=world_size, events=events, seed=seed)
     a = PathA(world_size, cfg.children)
     b = PathB(world_size, cfg.children, output)
-    mergers = [
-        kvmerge.Merger(world_size, rule, factors, 32)  # type: ignore[arg-type]
-        for rule, factors in (_rule(k) for k in cfg.children)
+    # Three sets of mergers fed the same reports: the merge alone (output as
+    # one batch), the merge with raw output, the merge with object output.
+    merger_sets = [
+        [
+            kvmerge.Merger(world_size, rule, factors, 32)  # type: ignore[arg-type]
+            for rule, factors in (_rule(k) for k in cfg.children)
+        ]
+        for _ in range(3)
     ]
     enc = msgspec.msgpack.Encoder()
     sa: dict[str, list[float]] = defaultdict(list)
@@ -194,7 +201,7 @@ def profile_case(
                 EventBatch.from_buffer(buf)
             v1 = _clock()
             merge_s = raw_s = objects_s = 0.0
-            for lane, merger in enumerate(mergers):
+            for lane in range(len(cfg.children)):
                 pairs = [
                     (
                         r.rank,
@@ -204,13 +211,16 @@ def profile_case(
                     )
                     for r in reports
                 ]
+                alone, raw_m, obj_m = (ms[lane] for ms in merger_sets)
                 m0 = _clock()
-                merger.add_all(pairs)
-                merged = merger.finish_step_batch()
+                alone.add_all(pairs)
+                alone.finish_step_batch()
                 m1 = _clock()
-                merged.raw()
+                raw_m.add_all(pairs)
+                raw_m.finish_step_raw()
                 m2 = _clock()
-                merged.decode()
+                obj_m.add_all(pairs)
+                obj_m.finish_step()
                 m3 = _clock()
                 merge_s += m1 - m0
                 raw_s += m2 - m1
@@ -223,9 +233,9 @@ def profile_case(
                 sb["(of which validate)"].append(v1 - v0)
                 sb["aggregate"].append(t2 - t1)
                 sb["update_connector_output"].append(t3 - t2)
-                sb["(of which merge)"].append(merge_s)
-                sb[f"(of which output: {output})"].append(out_s[output])
-                sb[f"(output as {other} instead)"].append(out_s[other])
+                sb["(of which merge, output as one batch)"].append(merge_s)
+                sb[f"(of which merge and output: {output})"].append(out_s[output])
+                sb[f"(merge and output as {other} instead)"].append(out_s[other])
                 sb["take_events"].append(t4 - t3)
                 sb["total"].append(t4 - t0)
     finally:

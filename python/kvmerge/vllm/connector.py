@@ -352,9 +352,15 @@ class KVMergeMultiConnector(MultiConnector):
                 continue
             if not self._events_enabled:
                 continue
+            if kind == KIND_MOONCAKE:
+                factors[i] = container_factors(container, connector)
             events = container.get_all_events()
             try:
-                payloads[i] = kvmerge.encode(events) if events else _empty_batch()
+                payloads[i] = (
+                    self._encode(events, child, kind, factors[i])
+                    if events
+                    else _empty_batch()
+                )
             except KVMergeError as e:
                 raise type(e)(
                     f"KVMergeMultiConnector {child.label}: cannot encode the events "
@@ -362,12 +368,33 @@ class KVMergeMultiConnector(MultiConnector):
                     f"to pass them through unmerged): {e}"
                 ) from e
             kinds[i] = kind
-            if kind == KIND_MOONCAKE:
-                factors[i] = container_factors(container, connector)
         report = WorkerReport(
             self.worker_rank, tuple(kinds), tuple(payloads), tuple(factors)
         )
         return KVMergeKVEvents.for_worker(report)
+
+    def _encode(
+        self,
+        events: list[Any],
+        child: ChildSpec,
+        kind: str,
+        reported: tuple[int, ...] | None,
+    ) -> EventBatch:
+        """This rank's batch of a child's events: every event's record, and
+        the bytes only of the events this rank carries under the rule the
+        scheduler's merger applies (``kvmerge.encode`` with a rank)."""
+        rule = child.rule or INFERRED_RULES[kind]
+        factors = child.factors if child.factors is not None else reported
+        if rule not in ("all", "quorum", "any") or (rule == "quorum" and not factors):
+            # No merger can take this lane (the scheduler says why): keep it all.
+            return kvmerge.encode(events)
+        return kvmerge.encode(
+            events,
+            rank=self.worker_rank,
+            world_size=self._world_size,
+            rule=rule,
+            replication_factors=list(factors) if rule == "quorum" and factors else None,
+        )
 
     # ==============================
     # Scheduler side

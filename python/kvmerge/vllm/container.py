@@ -64,16 +64,31 @@ class WorkerReport:
     def num_lanes(self) -> int:
         return len(self.kinds)
 
-    def decode(self) -> list[KVCacheEvent]:
-        """Every lane's events as objects, in lane order (not on the hot path)."""
+    def decode(self, peers: Sequence[WorkerReport] = ()) -> list[KVCacheEvent]:
+        """Every lane's events as objects, in lane order (not on the hot path).
+
+        A batch that left bytes to other ranks gets them from ``peers`` (the
+        other workers' reports of the same step); ``IncompleteBatchError`` if
+        none of them carries an event's bytes.
+        """
         events: list[KVCacheEvent] = []
-        for kind, payload in zip(self.kinds, self.payloads, strict=True):
+        for lane, (kind, payload) in enumerate(
+            zip(self.kinds, self.payloads, strict=True)
+        ):
             if payload is None:
                 continue
             if kind == KIND_NATIVE:
                 events.extend(payload.get_all_events())  # type: ignore[union-attr]
-            else:
-                events.extend(payload.decode())  # type: ignore[union-attr]
+                continue
+            assert isinstance(payload, EventBatch)
+            if payload.elided:
+                sources = [
+                    p.payloads[lane]
+                    for p in peers
+                    if lane < p.num_lanes and isinstance(p.payloads[lane], EventBatch)
+                ]
+                payload = payload.filled(sources)  # type: ignore[arg-type]
+            events.extend(payload.decode())
         return events
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -133,7 +148,7 @@ class WorkerReports(Sequence[KVCacheEvent]):
         if self._decoded is None:
             decoded: list[KVCacheEvent] = []
             for report in self.reports:
-                decoded.extend(report.decode())
+                decoded.extend(report.decode(self.reports))
             self._decoded = decoded
         return self._decoded
 

@@ -47,7 +47,11 @@ fn main() {
             forged(|b| b[payload_start()] = 0xc0),
         ),
         ("record kind 9", forged(|b| b[record(0) + 24] = 9)),
-        ("record flags 0x02", forged(|b| b[record(0) + 25] = 2)),
+        ("record flags 0x04", forged(|b| b[record(0) + 25] = 4)),
+        (
+            "record marked as left out, with a length",
+            forged(|b| b[record(0) + 25] = 2),
+        ),
         (
             "record reserved byte set",
             forged(|b| b[record(1) + 30] = 1),

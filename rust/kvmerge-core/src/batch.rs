@@ -1,28 +1,33 @@
 //! The wire format of a batch: a small header, one fixed-size record per
-//! event (identity, span, kind, group), then the msgspec payload untouched.
+//! event (identity, span, kind, group), then the msgspec payload.
 //!
 //! ```text
 //! 0..4    magic "KVMB"          8..12   event count (u32 LE)
-//! 4       format version (1)    12..16  payload length (u32 LE)
+//! 4       format version (2)    12..16  payload length (u32 LE)
 //! 5..8    zero                  16..24  XXH3-64 of every byte after 24
 //! 24..    one 40-byte record per event, then the payload: a msgpack array
-//!         whose elements are the events, exactly as msgspec encoded them
+//!         of the events whose bytes travel, exactly as msgspec encoded them
 //! record: 0..16 identity | 16..20 offset in payload | 20..24 length
-//!         24 kind | 25 flags (bit 0: has group) | 26..32 zero | 32..40 group
+//!         24 kind | 25 flags (bit 0: has group, bit 1: bytes left out)
+//!         26..32 zero | 32..40 group
 //! ```
-//! The merger reads records only; the payload is read once more, to copy the
-//! published events out.
+//! An event whose bytes were left out (another rank carries them, see
+//! `merge::carriers`) keeps its record, with length 0. The merger reads
+//! records only; the payload is read once more, to copy the published events
+//! out.
 
 use crate::error::{Error, Result};
-use crate::identity::Identity;
+use crate::identity::{Identity, IdentityMap};
+use crate::merge::MergerConfig;
 use crate::msgpack::{self, Reader};
 use crate::schema::{self, EventKind};
 
 const MAGIC: &[u8; 4] = b"KVMB";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 24;
 pub const RECORD_LEN: usize = 40;
 const HAS_GROUP: u8 = 1;
+const ELIDED: u8 = 2;
 
 /// Memory a `Batch` reads from: an owned `Vec`, or a buffer the binding
 /// borrows from Python without copying.
@@ -47,6 +52,8 @@ pub struct Record {
     pub identity: Identity,
     pub kind: EventKind,
     pub group_idx: Option<i64>,
+    /// Whether the event's bytes are in this batch (see `merge::carriers`).
+    pub carried: bool,
     offset: u32,
     len: u32,
 }
@@ -58,6 +65,7 @@ pub struct Batch {
     ptr: *const u8,
     nbytes: usize,
     n_events: usize,
+    n_elided: usize,
 }
 
 // SAFETY: `ptr` points into `backing`, which is Send + Sync and never mutated.
@@ -69,6 +77,7 @@ impl std::fmt::Debug for Batch {
         f.debug_struct("Batch")
             .field("events", &self.n_events)
             .field("nbytes", &self.nbytes)
+            .field("elided", &self.n_elided)
             .finish()
     }
 }
@@ -86,12 +95,13 @@ impl Batch {
     pub fn from_backing(backing: Box<dyn Backing>) -> Result<Batch> {
         let bytes = backing.bytes();
         let (ptr, nbytes) = (bytes.as_ptr(), bytes.len());
-        let n_events = validate(bytes)?;
+        let (n_events, n_elided) = validate(bytes)?;
         Ok(Batch {
             _owner: backing,
             ptr,
             nbytes,
             n_events,
+            n_elided,
         })
     }
 
@@ -101,20 +111,37 @@ impl Batch {
 
     /// For bytes this module just wrote: validating them again would read
     /// the whole buffer a second time.
-    fn from_own_vec(bytes: Vec<u8>, n_events: usize) -> Batch {
-        debug_assert_eq!(validate(&bytes), Ok(n_events));
+    fn from_own_vec(bytes: Vec<u8>, n_events: usize, n_elided: usize) -> Batch {
+        debug_assert_eq!(validate(&bytes), Ok((n_events, n_elided)));
         let (ptr, nbytes) = (bytes.as_ptr(), bytes.len());
         Batch {
             _owner: Box::new(bytes),
             ptr,
             nbytes,
             n_events,
+            n_elided,
         }
     }
 
     /// Builds a batch from msgspec's encoding of a list of vLLM events,
     /// checking every event's shape and computing its identity.
     pub fn encode(payload: &[u8]) -> Result<Batch> {
+        Batch::encode_for(payload, None)
+    }
+
+    /// `encode` for `rank` of the merger configured by `cfg`: the bytes of
+    /// the events this rank need not carry (`MergerConfig::carries`) are
+    /// left out, their records kept.
+    pub fn encode_for(payload: &[u8], carrier: Option<(&MergerConfig, usize)>) -> Result<Batch> {
+        if let Some((cfg, rank)) = carrier {
+            cfg.validate()?;
+            if rank >= cfg.world_size {
+                return Err(Error::RankOutOfRange {
+                    rank: rank as i64,
+                    world_size: cfg.world_size,
+                });
+            }
+        }
         let mut r = Reader::new(payload);
         let n = r
             .read_array_len()
@@ -124,19 +151,23 @@ impl Batch {
         let records = n.min(payload.len()) * RECORD_LEN;
         let mut out = Vec::with_capacity(HEADER_LEN + records + payload.len());
         out.resize(HEADER_LEN, 0);
+        // Spans of the events left out, to cut from the payload afterwards.
+        let mut left_out: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut shift = 0;
         for index in 0..n {
             let start = r.pos();
             let info = schema::read_event(&mut r)
                 .map_err(|reason| Error::InvalidEvent { index, reason })?;
             let span = &payload[start..r.pos()];
-            push_record(
-                &mut out,
-                Identity::of(span),
-                info.kind,
-                info.group_idx,
-                start,
-                span.len(),
-            );
+            let identity = Identity::of(span);
+            let carried = carrier
+                .is_none_or(|(cfg, rank)| cfg.carries(rank, &identity, info.kind, info.group_idx));
+            let len = if carried { span.len() } else { 0 };
+            push_record(&mut out, identity, info, carried, start - shift, len);
+            if !carried {
+                left_out.push(start..r.pos());
+                shift += span.len();
+            }
         }
         if !r.is_empty() {
             return Err(Error::InvalidEvents(format!(
@@ -144,39 +175,87 @@ impl Batch {
                 payload.len() - r.pos()
             )));
         }
-        out.extend_from_slice(payload);
-        finish_header(&mut out, n, payload.len())?;
-        Ok(Batch::from_own_vec(out, n))
+        if left_out.is_empty() {
+            out.extend_from_slice(payload);
+            finish_header(&mut out, n, payload.len())?;
+            return Ok(Batch::from_own_vec(out, n, 0));
+        }
+        // A shorter array header may shift every offset: rewrite them.
+        let kept = n - left_out.len();
+        let old_header = r_header_len(payload);
+        let new_header = array_header_len(kept);
+        let base = out.len();
+        msgpack::write_array_header(&mut out, kept);
+        let mut at = old_header;
+        for cut in &left_out {
+            out.extend_from_slice(&payload[at..cut.start]);
+            at = cut.end;
+        }
+        out.extend_from_slice(&payload[at..]);
+        if new_header != old_header {
+            for i in 0..n {
+                let field = HEADER_LEN + i * RECORD_LEN + 16;
+                let off = u32_at(&out, field) as usize + new_header - old_header;
+                out[field..field + 4].copy_from_slice(&(off as u32).to_le_bytes());
+            }
+        }
+        let payload_len = out.len() - base;
+        finish_header(&mut out, n, payload_len)?;
+        Ok(Batch::from_own_vec(out, n, left_out.len()))
     }
 
-    /// A new batch holding the given events of other batches, in order.
+    /// A new batch holding the given events of other batches, in order
+    /// (an event whose bytes its batch left out stays without them).
     pub fn gather<'a>(events: impl ExactSizeIterator<Item = (&'a Batch, usize)> + Clone) -> Batch {
         let n = events.len();
-        let mut payload_len = array_header_len(n);
+        let kept = events.clone().filter(|(b, i)| b.has_bytes(*i)).count();
+        let mut payload_len = array_header_len(kept);
         for (batch, i) in events.clone() {
             payload_len += batch.record(i).len as usize;
         }
         let mut out = Vec::with_capacity(HEADER_LEN + n * RECORD_LEN + payload_len);
         out.resize(HEADER_LEN, 0);
-        let mut offset = array_header_len(n);
+        let mut offset = array_header_len(kept);
         for (batch, i) in events.clone() {
             let rec = batch.record(i);
+            let info = schema::EventInfo {
+                kind: rec.kind,
+                group_idx: rec.group_idx,
+            };
             push_record(
                 &mut out,
                 rec.identity,
-                rec.kind,
-                rec.group_idx,
+                info,
+                rec.carried,
                 offset,
                 rec.len as usize,
             );
             offset += rec.len as usize;
         }
-        msgpack::write_array_header(&mut out, n);
+        msgpack::write_array_header(&mut out, kept);
         for (batch, i) in events {
-            out.extend_from_slice(batch.event_bytes(i));
+            if let Some(bytes) = batch.event_bytes(i) {
+                out.extend_from_slice(bytes);
+            }
         }
         finish_header(&mut out, n, payload_len).expect("gathered batches fit their own limits");
-        Batch::from_own_vec(out, n)
+        Batch::from_own_vec(out, n, n - kept)
+    }
+
+    /// This batch with the bytes it left out taken from `sources` (any event
+    /// of the same identity: equal identities, equal bytes). `Err(i)`: event
+    /// `i`'s bytes are in none of them.
+    pub fn filled(&self, sources: &[&Batch]) -> std::result::Result<Batch, usize> {
+        let mut carried: IdentityMap<(&Batch, usize)> = IdentityMap::default();
+        for &b in sources.iter().chain([&self]) {
+            for i in (0..b.len()).filter(|&i| b.has_bytes(i)) {
+                carried.entry(b.identity(i)).or_insert((b, i));
+            }
+        }
+        let picks = (0..self.len())
+            .map(|i| carried.get(&self.identity(i)).copied().ok_or(i))
+            .collect::<std::result::Result<Vec<_>, usize>>()?;
+        Ok(Batch::gather(picks.into_iter()))
     }
 
     pub fn empty() -> Batch {
@@ -196,7 +275,17 @@ impl Batch {
         self.n_events == 0
     }
 
-    /// The msgpack array of all events, as msgspec would decode it.
+    /// How many events' bytes were left out (another rank carries them).
+    pub fn elided(&self) -> usize {
+        self.n_elided
+    }
+
+    pub fn has_bytes(&self, i: usize) -> bool {
+        self.bytes()[HEADER_LEN + i * RECORD_LEN + 25] & ELIDED == 0
+    }
+
+    /// The msgpack array of the events whose bytes are here (all of them
+    /// unless `elided() > 0`), as msgspec would decode it.
     pub fn payload(&self) -> &[u8] {
         &self.bytes()[self.payload_start()..]
     }
@@ -215,6 +304,7 @@ impl Batch {
             kind: EventKind::from_u8(r[24]).expect("validated"),
             group_idx: (r[25] & HAS_GROUP != 0)
                 .then(|| i64::from_le_bytes(r[32..40].try_into().expect("8 bytes"))),
+            carried: r[25] & ELIDED == 0,
             offset: u32_at(r, 16),
             len: u32_at(r, 20),
         }
@@ -232,18 +322,19 @@ impl Batch {
         EventKind::from_u8(self.bytes()[HEADER_LEN + i * RECORD_LEN + 24]).expect("validated")
     }
 
-    /// The msgpack encoding of event `i`.
-    pub fn event_bytes(&self, i: usize) -> &[u8] {
-        let rec = self.record(i);
-        let start = self.payload_start() + rec.offset as usize;
-        &self.bytes()[start..start + rec.len as usize]
+    /// The msgpack encoding of event `i`, None if its bytes were left out.
+    pub fn event_bytes(&self, i: usize) -> Option<&[u8]> {
+        self.event_range(i).map(|r| &self.bytes()[r])
     }
 
-    /// Byte range of event `i` within `bytes()`.
-    pub fn event_range(&self, i: usize) -> std::ops::Range<usize> {
+    /// Byte range of event `i` within `bytes()`, None if left out.
+    pub fn event_range(&self, i: usize) -> Option<std::ops::Range<usize>> {
         let rec = self.record(i);
+        if !rec.carried {
+            return None;
+        }
         let start = self.payload_start() + rec.offset as usize;
-        start..start + rec.len as usize
+        Some(start..start + rec.len as usize)
     }
 
     pub fn identities(&self) -> impl Iterator<Item = Identity> + '_ {
@@ -267,21 +358,38 @@ fn array_header_len(n: usize) -> usize {
     }
 }
 
+/// Length of the array header at the start of a payload `Reader` accepted.
+fn r_header_len(payload: &[u8]) -> usize {
+    match payload[0] {
+        0x90..=0x9f => 1,
+        0xdc => 3,
+        _ => 5,
+    }
+}
+
 fn push_record(
     out: &mut Vec<u8>,
     identity: Identity,
-    kind: EventKind,
-    group: Option<i64>,
+    info: schema::EventInfo,
+    carried: bool,
     offset: usize,
     len: usize,
 ) {
+    let mut flags = if info.group_idx.is_some() {
+        HAS_GROUP
+    } else {
+        0
+    };
+    if !carried {
+        flags |= ELIDED;
+    }
     out.extend_from_slice(&identity.0);
     out.extend_from_slice(&(offset as u32).to_le_bytes());
     out.extend_from_slice(&(len as u32).to_le_bytes());
-    out.push(kind as u8);
-    out.push(if group.is_some() { HAS_GROUP } else { 0 });
+    out.push(info.kind as u8);
+    out.push(flags);
     out.extend_from_slice(&[0u8; 6]);
-    out.extend_from_slice(&group.unwrap_or(0).to_le_bytes());
+    out.extend_from_slice(&info.group_idx.unwrap_or(0).to_le_bytes());
 }
 
 fn finish_header(out: &mut [u8], n: usize, payload_len: usize) -> Result<()> {
@@ -302,8 +410,8 @@ fn finish_header(out: &mut [u8], n: usize, payload_len: usize) -> Result<()> {
 }
 
 /// Checks everything the merger and the output path rely on; returns the
-/// number of events.
-fn validate(b: &[u8]) -> Result<usize> {
+/// number of events and how many of them were left out.
+fn validate(b: &[u8]) -> Result<(usize, usize)> {
     if b.len() < HEADER_LEN {
         return Err(corrupt(format!(
             "truncated: {} bytes, shorter than the {HEADER_LEN}-byte header",
@@ -345,33 +453,39 @@ fn validate(b: &[u8]) -> Result<usize> {
     }
     let payload = &b[HEADER_LEN + n * RECORD_LEN..];
     let mut head = Reader::new(payload);
-    match head.read_array_len() {
-        Ok(count) if count == n => {}
-        Ok(count) => {
-            return Err(corrupt(format!(
-                "payload holds {count} events, the header announces {n}"
-            )))
-        }
-        Err(e) => return Err(corrupt(format!("payload: {e}"))),
-    }
+    let count = head
+        .read_array_len()
+        .map_err(|e| corrupt(format!("payload: {e}")))?;
     // Spans must tile the payload in order: then every event's bytes are
-    // inside the buffer and none overlap.
+    // inside the buffer and none overlap. Left-out events take no bytes.
     let mut next = head.pos();
+    let mut elided = 0;
     for i in 0..n {
         let r = &b[HEADER_LEN + i * RECORD_LEN..HEADER_LEN + (i + 1) * RECORD_LEN];
-        if EventKind::from_u8(r[24]).is_none() || r[25] & !HAS_GROUP != 0 || r[26..32] != [0; 6] {
+        if EventKind::from_u8(r[24]).is_none()
+            || r[25] & !(HAS_GROUP | ELIDED) != 0
+            || r[26..32] != [0; 6]
+        {
             return Err(corrupt(format!("record {i} is malformed")));
         }
         let (offset, len) = (u32_at(r, 16) as usize, u32_at(r, 20) as usize);
-        if offset != next || len == 0 || offset + len > payload.len() {
+        let carried = r[25] & ELIDED == 0;
+        if offset != next || (len == 0) == carried || offset + len > payload.len() {
             return Err(corrupt(format!("record {i} points outside its event")));
         }
+        elided += usize::from(!carried);
         next = offset + len;
+    }
+    if count != n - elided {
+        return Err(corrupt(format!(
+            "payload holds {count} events, the records announce {}",
+            n - elided
+        )));
     }
     if next != payload.len() {
         return Err(corrupt("event records do not cover the payload"));
     }
-    Ok(n)
+    Ok((n, elided))
 }
 
 #[cfg(test)]
@@ -398,7 +512,7 @@ mod tests {
         assert_eq!(b.identity(0), b.identity(1));
         assert_eq!(b.kind(1), EventKind::AllBlocksCleared);
         let again = Batch::from_vec(b.bytes().to_vec()).unwrap();
-        assert_eq!(again.event_bytes(1), &clear_event()[..]);
+        assert_eq!(again.event_bytes(1), Some(&clear_event()[..]));
     }
 
     #[test]
@@ -431,6 +545,53 @@ mod tests {
         assert_eq!(g.len(), 2);
         assert_eq!(g.identity(1), a.identity(0));
         assert_eq!(g.event_bytes(1), a.event_bytes(0));
+        assert!(g.event_bytes(1).is_some());
+    }
+
+    #[test]
+    fn left_out_bytes_keep_their_records() {
+        use crate::merge::{MergerConfig, Rule};
+        use crate::testing::{payload, removed};
+        let evs: Vec<_> = (0..40).map(removed).collect();
+        let full = Batch::encode(&payload(&evs)).unwrap();
+        let cfg = MergerConfig::new(4, Rule::All);
+        let mut carried = vec![0; 40];
+        for rank in 0..4 {
+            let lean = Batch::encode_for(&payload(&evs), Some((&cfg, rank))).unwrap();
+            let again = Batch::from_vec(lean.bytes().to_vec()).unwrap();
+            assert_eq!(again.elided(), lean.elided());
+            assert!(lean.elided() > 0 && lean.bytes().len() < full.bytes().len());
+            for (i, count) in carried.iter_mut().enumerate() {
+                assert_eq!(lean.identity(i), full.identity(i));
+                match lean.event_bytes(i) {
+                    Some(bytes) => {
+                        assert_eq!(Some(bytes), full.event_bytes(i));
+                        *count += 1;
+                    }
+                    None => assert!(!lean.record(i).carried),
+                }
+            }
+            // The other ranks' batches hold the rest.
+            let others: Vec<Batch> = (0..4)
+                .map(|r| Batch::encode_for(&payload(&evs), Some((&cfg, r))).unwrap())
+                .collect();
+            let refs: Vec<&Batch> = others.iter().collect();
+            let filled = lean.filled(&refs).unwrap();
+            assert_eq!((filled.elided(), filled.payload()), (0, full.payload()));
+            assert_eq!(
+                lean.filled(&[]).err(),
+                (0..40).find(|&i| !lean.has_bytes(i))
+            );
+            // Gathering keeps both kinds of records.
+            let g = Batch::gather((0..40).rev().map(|i| (&lean, i)));
+            assert_eq!(g.elided(), lean.elided());
+            assert_eq!(g.event_bytes(0), lean.event_bytes(39));
+        }
+        assert_eq!(
+            carried,
+            vec![1; 40],
+            "exactly one carrier per event under \"all\""
+        );
     }
 
     #[test]

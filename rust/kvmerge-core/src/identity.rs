@@ -1,6 +1,6 @@
-//! An event's identity: 128 bits of BLAKE3 over its canonical encoding.
-//! docs/merge-rules.md ("Identity") says why 128 bits of a cryptographic
-//! hash stand in for comparing the bytes.
+//! An event's identity: XXH3-128 of its canonical encoding.
+//! docs/merge-rules.md ("Identity") says why 128 bits of a fast hash stand
+//! in for comparing the bytes.
 
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 
@@ -10,10 +10,12 @@ pub struct Identity(pub [u8; 16]);
 
 impl Identity {
     pub fn of(event_bytes: &[u8]) -> Identity {
-        let digest = blake3::hash(event_bytes);
-        let mut out = [0u8; 16];
-        out.copy_from_slice(&digest.as_bytes()[..16]);
-        Identity(out)
+        Identity(xxhash_rust::xxh3::xxh3_128(event_bytes).to_le_bytes())
+    }
+
+    /// Bits independent of those `Hash` uses, for spreading events over ranks.
+    pub fn spread(&self) -> u64 {
+        u64::from_le_bytes(self.0[8..].try_into().expect("8 bytes"))
     }
 }
 

@@ -177,6 +177,13 @@ impl<'a> Reader<'a> {
 
     pub fn read_str(&mut self) -> Result<&'a str> {
         let at = self.pos;
+        std::str::from_utf8(self.read_str_bytes()?).map_err(|_| ReadError::InvalidUtf8 { at })
+    }
+
+    /// A string's bytes, unchecked: for comparing with known ASCII names,
+    /// where a match proves them valid and anything else is refused anyway.
+    pub fn read_str_bytes(&mut self) -> Result<&'a [u8]> {
+        let at = self.pos;
         let len = match self.byte()? {
             b @ 0xa0..=0xbf => (b & 0x1f) as usize,
             0xd9 => self.be(1)? as usize,
@@ -184,7 +191,7 @@ impl<'a> Reader<'a> {
             0xdb => self.be(4)? as usize,
             b => return Err(self.unexpected(at, "str", b)),
         };
-        std::str::from_utf8(self.take(len)?).map_err(|_| ReadError::InvalidUtf8 { at })
+        self.take(len)
     }
 
     pub fn read_bin(&mut self) -> Result<&'a [u8]> {
@@ -217,25 +224,26 @@ impl<'a> Reader<'a> {
         })
     }
 
-    /// Skips `n` integers: the hot loop of validating `token_ids`, kept to
-    /// one table-free match per value. On error, returns the item's index.
+    /// Skips `n` integers: the hot loop of validating `token_ids`. The width
+    /// of each comes from a table, not a branch: token ids mix 2- and 4-byte
+    /// encodings at random, which a branch would mispredict half the time.
+    /// On error, returns the item's index.
     pub fn skip_ints(&mut self, n: usize) -> std::result::Result<(), (usize, ReadError)> {
+        let mut at = self.pos;
         for i in 0..n {
-            let at = self.pos;
-            let b = *self.buf.get(at).ok_or((i, ReadError::Eof { at }))?;
-            let width = match b {
-                0x00..=0x7f | 0xe0..=0xff => 1,
-                0xcc | 0xd0 => 2,
-                0xcd | 0xd1 => 3,
-                0xce | 0xd2 => 5,
-                0xcf | 0xd3 => 9,
-                b => return Err((i, self.unexpected(at, "int", b))),
+            let Some(&b) = self.buf.get(at) else {
+                return Err((i, ReadError::Eof { at }));
             };
+            let width = INT_WIDTH[b as usize] as usize;
+            if width == 0 {
+                return Err((i, self.unexpected(at, "int", b)));
+            }
             if at + width > self.buf.len() {
                 return Err((i, ReadError::Eof { at: self.buf.len() }));
             }
-            self.pos = at + width;
+            at += width;
         }
+        self.pos = at;
         Ok(())
     }
 
@@ -323,6 +331,24 @@ impl<'a> Reader<'a> {
         Ok(0)
     }
 }
+
+/// Encoded size of an integer by its first byte; 0 for anything else.
+const INT_WIDTH: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut b = 0;
+    while b < 256 {
+        t[b] = match b as u8 {
+            0x00..=0x7f | 0xe0..=0xff => 1,
+            0xcc | 0xd0 => 2,
+            0xcd | 0xd1 => 3,
+            0xce | 0xd2 => 5,
+            0xcf | 0xd3 => 9,
+            _ => 0,
+        };
+        b += 1;
+    }
+    t
+};
 
 /// Writes a msgpack array header for `n` elements.
 pub fn write_array_header(out: &mut Vec<u8>, n: usize) {

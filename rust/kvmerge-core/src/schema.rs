@@ -31,11 +31,11 @@ impl EventKind {
         }
     }
 
-    fn from_tag(tag: &str) -> Option<EventKind> {
+    fn from_tag(tag: &[u8]) -> Option<EventKind> {
         match tag {
-            "BlockStored" => Some(EventKind::BlockStored),
-            "BlockRemoved" => Some(EventKind::BlockRemoved),
-            "AllBlocksCleared" => Some(EventKind::AllBlocksCleared),
+            b"BlockStored" => Some(EventKind::BlockStored),
+            b"BlockRemoved" => Some(EventKind::BlockRemoved),
+            b"AllBlocksCleared" => Some(EventKind::AllBlocksCleared),
             _ => None,
         }
     }
@@ -189,28 +189,35 @@ pub fn read_event(r: &mut Reader<'_>) -> Result<EventInfo, SchemaError> {
     }
     // msgspec writes the tag first; anything else did not come from vLLM's
     // event classes.
-    let key = r.read_str()?;
-    if key != "type" {
+    // Names are compared as bytes (they are ASCII): only a name that
+    // matches none is decoded, for the message.
+    let key = r.read_str_bytes()?;
+    if key != b"type" {
         return Err(SchemaError::NotAnEvent(format!(
-            "first key is {key:?}, not the \"type\" tag"
+            "first key is {:?}, not the \"type\" tag",
+            String::from_utf8_lossy(key)
         )));
     }
-    let tag = read_str_value(r)?;
-    let kind = EventKind::from_tag(tag).ok_or_else(|| SchemaError::UnknownType(tag.into()))?;
+    if r.peek()? != Marker::Str {
+        read_str_value(r)?; // the error names what was found
+    }
+    let tag = r.read_str_bytes()?;
+    let kind = EventKind::from_tag(tag)
+        .ok_or_else(|| SchemaError::UnknownType(String::from_utf8_lossy(tag).into()))?;
     let schema = fields(kind);
     let mut seen: u32 = 0;
     let mut group_idx = None;
     let mut next = 0;
     for _ in 1..n {
-        let name = r.read_str()?;
+        let name = r.read_str_bytes()?;
         // msgspec writes fields in declaration order: look from the one after
         // the last field first, so the usual search is one comparison.
         let i = (0..schema.len())
             .map(|k| (next + k) % schema.len())
-            .find(|&i| schema[i].name == name)
+            .find(|&i| schema[i].name.as_bytes() == name)
             .ok_or_else(|| SchemaError::UnknownField {
                 kind,
-                field: name.into(),
+                field: String::from_utf8_lossy(name).into(),
             })?;
         let field = &schema[i];
         next = i + 1;

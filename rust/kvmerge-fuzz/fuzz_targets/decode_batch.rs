@@ -46,9 +46,13 @@ fn check(bytes: Vec<u8>) {
         assert_eq!(rec.identity, *id);
         assert_eq!(batch.identity(i), *id);
         assert_eq!(batch.kind(i), rec.kind);
-        let range = batch.event_range(i);
+        let Some(range) = batch.event_range(i) else {
+            assert!(!rec.carried && batch.event_bytes(i).is_none());
+            continue;
+        };
+        assert!(rec.carried);
         assert!(range.start < range.end && range.end <= bytes.len());
-        assert_eq!(&bytes[range.clone()], batch.event_bytes(i));
+        assert_eq!(Some(&bytes[range.clone()]), batch.event_bytes(i));
         covered += range.len();
     }
     assert!(covered <= batch.payload().len());
@@ -63,6 +67,8 @@ fn check(bytes: Vec<u8>) {
     for order in orders {
         let out = Batch::gather(order.iter().map(|&i| (&batch, i)));
         assert_eq!(out.len(), order.len());
+        let left_out = order.iter().filter(|&&i| !batch.has_bytes(i)).count();
+        assert_eq!(out.elided(), left_out);
         let again = Batch::from_vec(out.bytes().to_vec()).expect("a gathered batch validates");
         assert_eq!(again.len(), order.len());
         for (k, &i) in order.iter().enumerate() {

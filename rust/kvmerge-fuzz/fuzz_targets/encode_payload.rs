@@ -28,7 +28,7 @@ fuzz_target!(|data: &[u8]| {
     let received = Batch::from_vec(batch.bytes().to_vec()).expect("an encoded batch validates");
     assert_eq!(received.len(), batch.len());
     for i in 0..batch.len() {
-        let bytes = batch.event_bytes(i);
+        let bytes = batch.event_bytes(i).expect("encode keeps every event's bytes");
         assert_eq!(batch.identity(i), Identity::of(bytes));
         assert_eq!(received.record(i), batch.record(i));
         // One event alone: `[event]`.

@@ -13,8 +13,11 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyTuple};
 
-use crate::errors::{corrupt_batch, invalid_event, PyKvError};
+use crate::errors::{
+    config, corrupt_batch, incomplete_batch, invalid_event, rank_out_of_range, PyKvError,
+};
 use crate::gil::without_gil;
+use crate::merger::config_arg;
 use crate::schema::schema;
 
 /// A received Python buffer whose memory cannot change (see
@@ -23,10 +26,12 @@ struct Borrowed(PyUntypedBuffer);
 
 // SAFETY: only buffers of immutable exporters are borrowed: `bytes`, or an
 // `EventBatch` (itself backed by immutable memory), possibly seen through
-// memoryviews or a `PickleBuffer`. The held export keeps the exporter alive,
-// and nothing can write to its memory. Anything else (a `bytearray`, which
-// Python code may still modify in place while it is exported, a writable
-// memoryview, mmap, a zmq frame...) is copied instead.
+// memoryviews or a `PickleBuffer`; or, inside `kvmerge.borrow_buffers()`, a
+// read-only buffer the caller vouches for (a sealed Ray plasma object). The
+// held export keeps the exporter alive, and nothing writes to its memory.
+// Anything else (a `bytearray`, which Python code may still modify in place
+// while it is exported, a writable memoryview, mmap, a zmq frame...) is
+// copied instead.
 unsafe impl Backing for Borrowed {
     fn bytes(&self) -> &[u8] {
         unsafe { std::slice::from_raw_parts(self.0.buf_ptr() as *const u8, self.0.len_bytes()) }
@@ -62,6 +67,30 @@ fn immutable_exporter(obj: &Bound<'_, PyAny>) -> bool {
     false
 }
 
+thread_local! {
+    /// Depth of `kvmerge.borrow_buffers()` blocks open on this thread.
+    static VOUCHED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Opens (`True`) or closes (`False`) a `kvmerge.borrow_buffers()` block on
+/// this thread: within it, `from_buffer` also borrows read-only buffers of
+/// exporters it does not know, because the caller vouches that they do not
+/// change while any batch made of them lives.
+#[pyfunction]
+pub fn _borrow_buffers(enter: bool) {
+    VOUCHED.with(|v| {
+        v.set(if enter {
+            v.get() + 1
+        } else {
+            v.get().saturating_sub(1)
+        })
+    });
+}
+
+fn vouched() -> bool {
+    VOUCHED.with(|v| v.get() > 0)
+}
+
 #[pyclass(module = "kvmerge", frozen, name = "EventBatch")]
 pub struct PyEventBatch {
     pub(crate) inner: Arc<Batch>,
@@ -92,18 +121,43 @@ pub fn decode_events<'py>(
     })
 }
 
-/// One `msgspec.Raw` per event, each a view into the batch's buffer.
+/// Refuses to read the events of a batch that left some of their bytes to
+/// other ranks: only the merger can put the events back together.
+fn require_bytes(py: Python<'_>, batch: &Batch) -> PyResult<()> {
+    match batch.elided() {
+        0 => Ok(()),
+        n => Err(incomplete_batch(
+            py,
+            format!(
+                "{n} of this batch's {} events were sent without their bytes (other ranks \
+                 carry them); merge it to get the events",
+                batch.len()
+            ),
+        )),
+    }
+}
+
+/// One `msgspec.Raw` per event.
 pub fn raw_events<'py>(slf: &Bound<'py, PyEventBatch>) -> PyResult<Bound<'py, PyList>> {
-    let py = slf.py();
     let batch = &slf.get().inner;
-    let view = PyEventBatch::memoryview(slf)?;
+    require_bytes(slf.py(), batch)?;
+    raw_list(
+        slf.py(),
+        (0..batch.len()).map(|i| batch.event_bytes(i).expect("require_bytes checked")),
+    )
+}
+
+/// `msgspec.Raw` objects of these encodings, each over its own `bytes`: as
+/// fast as a memoryview slice of a shared buffer (building the `Raw` is most
+/// of the ~250 ns an event either way), and whoever holds the output does not
+/// keep the received buffers alive.
+pub fn raw_list<'py, 'a>(
+    py: Python<'py>,
+    events: impl ExactSizeIterator<Item = &'a [u8]>,
+) -> PyResult<Bound<'py, PyList>> {
     let raw = schema(py)?.raw.bind(py);
-    let items = (0..batch.len())
-        .map(|i| {
-            let r = batch.event_range(i);
-            let slice = PySlice::new(py, r.start as isize, r.end as isize, 1);
-            raw.call1((view.get_item(slice)?,))
-        })
+    let items = events
+        .map(|bytes| raw.call1((PyBytes::new(py, bytes),)))
         .collect::<PyResult<Vec<_>>>()?;
     PyList::new(py, items)
 }
@@ -128,7 +182,8 @@ impl PyEventBatch {
                 "the buffer is not contiguous bytes".into(),
             ));
         }
-        let backing: Box<dyn Backing> = if immutable_exporter(buffer) {
+        let borrow = immutable_exporter(buffer) || (buf.readonly() && vouched());
+        let backing: Box<dyn Backing> = if borrow {
             Box::new(Borrowed(buf))
         } else {
             // Copied with the GIL held, so no Python thread writes meanwhile;
@@ -149,6 +204,7 @@ impl PyEventBatch {
 
     /// The events, equal to the encoded ones, in order.
     pub(crate) fn decode<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        require_bytes(slf.py(), &slf.get().inner)?;
         let view = Self::memoryview(slf)?;
         let start = slf.get().inner.payload_start() as isize;
         let payload = view.get_item(PySlice::new(slf.py(), start, isize::MAX, 1))?;
@@ -158,6 +214,29 @@ impl PyEventBatch {
     /// Each event's msgpack encoding, ready for a msgspec encoder.
     fn raw<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         raw_events(slf)
+    }
+
+    /// This batch with the bytes it left out taken from `sources` (other
+    /// ranks' batches of the same step and child), by identity.
+    fn filled(slf: &Bound<'_, Self>, sources: Vec<Bound<'_, PyEventBatch>>) -> PyResult<Self> {
+        let py = slf.py();
+        let me = &slf.get().inner;
+        if me.elided() == 0 {
+            return Ok(PyEventBatch::new(me.clone()));
+        }
+        let inners: Vec<Arc<Batch>> = sources.iter().map(|b| b.get().inner.clone()).collect();
+        let refs: Vec<&Batch> = inners.iter().map(|b| &**b).collect();
+        let batch = without_gil(py, || me.filled(&refs)).map_err(|i| {
+            incomplete_batch(
+                py,
+                format!(
+                    "event {i} was sent without its bytes, and none of the {} batches \
+                     given carries them",
+                    refs.len()
+                ),
+            )
+        })?;
+        Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
     /// Each event's class name ("BlockStored", "BlockRemoved", "AllBlocksCleared").
@@ -194,7 +273,7 @@ impl PyEventBatch {
         // rather than let the gather fail on it.
         let total: u64 = idx
             .iter()
-            .map(|&i| self.inner.event_range(i).len() as u64)
+            .map(|&i| self.inner.event_range(i).map_or(0, |r| r.len() as u64))
             .sum();
         if total > u32::MAX as u64 {
             return Err(PyValueError::new_err(format!(
@@ -237,6 +316,13 @@ impl PyEventBatch {
             py,
             self.inner.identities().map(|id| PyBytes::new(py, &id.0)),
         )
+    }
+
+    /// How many events' bytes this batch left to other ranks (`encode` with
+    /// a rank): such a batch can be merged, not read.
+    #[getter]
+    fn elided(&self) -> usize {
+        self.inner.elided()
     }
 
     #[getter]
@@ -314,8 +400,43 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 }
 
 /// Encode vLLM KV cache events into a batch (identities computed here).
+/// Given `rank` and `world_size` (and the merger's `rule` and
+/// `replication_factors`), the bytes of events this rank need not carry are
+/// left out: every rank still reports every event.
 #[pyfunction]
-pub fn encode(py: Python<'_>, events: &Bound<'_, PyAny>) -> PyResult<PyEventBatch> {
+#[pyo3(signature = (events, *, rank = None, world_size = None, rule = "all", replication_factors = None))]
+pub fn encode(
+    py: Python<'_>,
+    events: &Bound<'_, PyAny>,
+    rank: Option<&Bound<'_, PyAny>>,
+    world_size: Option<&Bound<'_, PyAny>>,
+    rule: &str,
+    replication_factors: Option<Vec<Bound<'_, PyAny>>>,
+) -> PyResult<PyEventBatch> {
+    let carrier = match (rank, world_size) {
+        (None, None) => None,
+        (Some(rank), Some(world_size)) => {
+            let zero = 0u64.into_pyobject(py)?.into_any();
+            let cfg = config_arg(world_size, rule, replication_factors, &zero)?;
+            let r = rank
+                .extract::<usize>()
+                .ok()
+                .filter(|&r| r < cfg.world_size)
+                .ok_or_else(|| {
+                    rank_out_of_range(
+                        py,
+                        format!("rank {rank} is outside the world [0, {})", cfg.world_size),
+                    )
+                })?;
+            Some((cfg, r))
+        }
+        _ => {
+            return Err(config(
+                py,
+                "encode: give rank and world_size together, or neither".into(),
+            ))
+        }
+    };
     let s = schema(py)?;
     let list = match events.cast::<PyList>() {
         Ok(list) => list.clone(),
@@ -378,7 +499,8 @@ pub fn encode(py: Python<'_>, events: &Bound<'_, PyAny>) -> PyResult<PyEventBatc
         })?;
     let payload = payload.cast::<PyBytes>()?;
     let bytes: &[u8] = payload.as_bytes();
-    let batch = without_gil(py, || Batch::encode(bytes)).map_err(PyKvError::from)?;
+    let carrier = carrier.as_ref().map(|(cfg, r)| (cfg, *r));
+    let batch = without_gil(py, || Batch::encode_for(bytes, carrier)).map_err(PyKvError::from)?;
     Ok(PyEventBatch::new(Arc::new(batch)))
 }
 
@@ -388,17 +510,23 @@ pub fn encode(py: Python<'_>, events: &Bound<'_, PyAny>) -> PyResult<PyEventBatc
 /// the container fields must have their declared types (`EVENT_TYPES` order:
 /// BlockStored, BlockRemoved, AllBlocksCleared). The insides of
 /// `extra_keys` entries are `Any`, written and read back as msgspec does.
-fn check_containers(ev: &Bound<'_, PyAny>, kind: usize) -> Result<(), String> {
-    let (name, lists): (&str, &[&str]) = match kind {
-        0 => ("BlockStored", &["block_hashes", "token_ids"]),
-        1 => ("BlockRemoved", &["block_hashes"]),
+fn check_containers<'py>(ev: &Bound<'py, PyAny>, kind: usize) -> Result<(), String> {
+    let py = ev.py();
+    // Interned names: these lookups run for every event a worker encodes.
+    let block_hashes = pyo3::intern!(py, "block_hashes");
+    let token_ids = pyo3::intern!(py, "token_ids");
+    let (name, lists) = match kind {
+        0 => ("BlockStored", &[block_hashes, token_ids][..]),
+        1 => ("BlockRemoved", &[block_hashes][..]),
         _ => return Ok(()),
     };
-    let field = |f: &str| ev.getattr(f).map_err(|e| format!("{name}.{f}: {e}"));
-    let wrong = |f: &str, want: &str, got: &Bound<'_, PyAny>| {
+    let field = |f: &Bound<'py, pyo3::types::PyString>| -> Result<Bound<'py, PyAny>, String> {
+        ev.getattr(f).map_err(|e| format!("{name}.{f}: {e}"))
+    };
+    let wrong = |f: &Bound<'_, pyo3::types::PyString>, want: &str, got: &Bound<'_, PyAny>| {
         format!("{name}.{f}: expected {want}, got {}", type_name(got))
     };
-    for &f in lists {
+    for f in lists {
         let v = field(f)?;
         if !v.is_instance_of::<PyList>() {
             return Err(wrong(f, "a list", &v));
@@ -408,7 +536,11 @@ fn check_containers(ev: &Bound<'_, PyAny>, kind: usize) -> Result<(), String> {
         return Ok(());
     }
     // Optional lists whose items must be of one container type.
-    for (f, item_is_tuple) in [("extra_keys", true), ("lookahead_token_ids", false)] {
+    let optional = [
+        (pyo3::intern!(py, "extra_keys"), true),
+        (pyo3::intern!(py, "lookahead_token_ids"), false),
+    ];
+    for (f, item_is_tuple) in optional {
         let v = field(f)?;
         if v.is_none() {
             continue;

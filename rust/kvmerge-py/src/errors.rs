@@ -60,6 +60,12 @@ subclass!(
     "A rank outside the world, or a rank added twice in one step."
 );
 subclass!(
+    incomplete_batch_error,
+    "IncompleteBatchError",
+    PyValueError,
+    "A batch some of whose events' bytes other ranks carry: it can be merged, not read."
+);
+subclass!(
     group_error,
     "GroupError",
     PyValueError,
@@ -107,6 +113,10 @@ pub fn invalid_event(py: Python<'_>, message: String) -> PyErr {
 /// Raises `CorruptBatchError(message)`.
 pub fn corrupt_batch(py: Python<'_>, message: String) -> PyErr {
     raise(corrupt_batch_error(py), message)
+}
+
+pub fn incomplete_batch(py: Python<'_>, message: String) -> PyErr {
+    raise(incomplete_batch_error(py), message)
 }
 
 pub fn config(py: Python<'_>, message: String) -> PyErr {

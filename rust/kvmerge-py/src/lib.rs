@@ -19,9 +19,11 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", errors::config_error(py)?)?;
     m.add("RankError", errors::rank_error(py)?)?;
     m.add("GroupError", errors::group_error(py)?)?;
+    m.add("IncompleteBatchError", errors::incomplete_batch_error(py)?)?;
     m.add_class::<batch::PyEventBatch>()?;
     m.add_class::<merger::PyMerger>()?;
     m.add_class::<merger::PyMergerStats>()?;
     m.add_function(wrap_pyfunction!(batch::encode, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::_borrow_buffers, m)?)?;
     Ok(())
 }

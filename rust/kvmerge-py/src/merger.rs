@@ -2,13 +2,14 @@
 
 use std::sync::{Arc, Mutex};
 
+use kvmerge_core::merge::Published;
 use kvmerge_core::merge::MAX_WORLD_SIZE;
 use kvmerge_core::{Merger, MergerConfig, Rule, Stats};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::batch::{raw_events, PyEventBatch};
+use crate::batch::{raw_list, PyEventBatch};
 use crate::errors::{config, rank_out_of_range, PyKvError};
 use crate::gil::without_gil;
 
@@ -44,6 +45,10 @@ impl PyMerger {
     fn finish(&self, py: Python<'_>) -> Arc<kvmerge_core::Batch> {
         without_gil(py, || self.lock().finish_step())
     }
+
+    fn finish_published(&self, py: Python<'_>) -> Published {
+        without_gil(py, || self.lock().finish_step_published())
+    }
 }
 
 #[pymethods]
@@ -63,50 +68,13 @@ impl PyMerger {
         max_pending_steps: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let default_pending = 32u64.into_pyobject(py)?.into_any();
-        let max_pending_steps = max_pending_steps.unwrap_or(&default_pending);
-        // Integers beyond the machine's range are bad settings like any
-        // other (ConfigError), not OverflowError; non-integers stay TypeError.
-        let world_size = int_arg::<usize>(world_size)?.ok_or_else(|| {
-            config(
-                py,
-                format!("world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}"),
-            )
-        })?;
-        let rule: Rule = rule.parse().map_err(PyKvError::from)?;
-        let max_pending_steps = int_arg::<u64>(max_pending_steps)?.ok_or_else(|| {
-            config(
-                py,
-                format!(
-                    "max_pending_steps must be between 0 and {}, got {max_pending_steps}",
-                    u64::MAX
-                ),
-            )
-        })?;
-        let replication_factors = replication_factors
-            .map(|fs| {
-                fs.iter()
-                    .enumerate()
-                    .map(|(g, f)| {
-                        int_arg::<u32>(f)?.filter(|&f| f >= 1).ok_or_else(|| {
-                            config(
-                                py,
-                                format!(
-                                    "replication_factors[{g}] is {f}, must be between 1 and {}",
-                                    u32::MAX
-                                ),
-                            )
-                        })
-                    })
-                    .collect::<PyResult<Vec<u32>>>()
-            })
-            .transpose()?;
-        let merger = Merger::new(MergerConfig {
+        let cfg = config_arg(
             world_size,
             rule,
             replication_factors,
-            max_pending_steps,
-        })
-        .map_err(PyKvError::from)?;
+            max_pending_steps.unwrap_or(&default_pending),
+        )?;
+        let merger = Merger::new(cfg).map_err(PyKvError::from)?;
         Ok(PyMerger {
             inner: Mutex::new(merger),
         })
@@ -168,8 +136,13 @@ impl PyMerger {
     }
 
     fn finish_step_raw<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let out = Bound::new(py, PyEventBatch::new(self.finish(py)))?;
-        raw_events(&out)
+        let published = self.finish_published(py);
+        raw_list(
+            py,
+            published
+                .iter()
+                .map(|(batch, i)| batch.event_bytes(i).expect("published events have bytes")),
+        )
     }
 
     fn finish_step_batch(&self, py: Python<'_>) -> PyEventBatch {
@@ -200,6 +173,60 @@ impl PyMerger {
 
 /// `obj` as a `T`: `Ok(None)` for an int outside `T`'s range, the usual
 /// `TypeError` for anything that is not an int.
+/// A merger's settings from Python arguments, validated. Integers beyond the
+/// machine's range are bad settings like any other (ConfigError), not
+/// OverflowError; non-integers stay TypeError.
+pub(crate) fn config_arg(
+    world_size: &Bound<'_, PyAny>,
+    rule: &str,
+    replication_factors: Option<Vec<Bound<'_, PyAny>>>,
+    max_pending_steps: &Bound<'_, PyAny>,
+) -> PyResult<MergerConfig> {
+    let py = world_size.py();
+    let world_size = int_arg::<usize>(world_size)?.ok_or_else(|| {
+        config(
+            py,
+            format!("world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}"),
+        )
+    })?;
+    let rule: Rule = rule.parse().map_err(PyKvError::from)?;
+    let max_pending_steps = int_arg::<u64>(max_pending_steps)?.ok_or_else(|| {
+        config(
+            py,
+            format!(
+                "max_pending_steps must be between 0 and {}, got {max_pending_steps}",
+                u64::MAX
+            ),
+        )
+    })?;
+    let replication_factors = replication_factors
+        .map(|fs| {
+            fs.iter()
+                .enumerate()
+                .map(|(g, f)| {
+                    int_arg::<u32>(f)?.filter(|&f| f >= 1).ok_or_else(|| {
+                        config(
+                            py,
+                            format!(
+                                "replication_factors[{g}] is {f}, must be between 1 and {}",
+                                u32::MAX
+                            ),
+                        )
+                    })
+                })
+                .collect::<PyResult<Vec<u32>>>()
+        })
+        .transpose()?;
+    let cfg = MergerConfig {
+        world_size,
+        rule,
+        replication_factors,
+        max_pending_steps,
+    };
+    cfg.validate().map_err(PyKvError::from)?;
+    Ok(cfg)
+}
+
 fn int_arg<'py, T>(obj: &Bound<'py, PyAny>) -> PyResult<Option<T>>
 where
     T: for<'a> FromPyObject<'a, 'py>,

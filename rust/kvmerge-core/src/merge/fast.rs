@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{Merger, Rule};
+use super::{Merger, Published, Rule};
 use crate::batch::Batch;
 use crate::identity::IdentitySet;
 use crate::schema::EventKind;
@@ -19,30 +19,43 @@ pub(super) fn applies(m: &Merger) -> bool {
             .all(|b| b.as_ref().is_some_and(|b| b.identity_column_eq(first)))
 }
 
-pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
+pub(super) fn finish(m: &mut Merger) -> Published {
     let w = m.cfg.world_size;
     let last = m.incoming[w - 1].clone().expect("applies() checked");
     m.stats.consumed += (w * last.len()) as u64;
     match m.cfg.rule {
         // Every report completes, in order: the output is the batch itself.
-        Rule::All => last,
+        Rule::All if last.elided() == 0 => Published::whole(&last),
+        Rule::All => carried(m, 0..last.len()),
         Rule::Quorum => {
             let mut seen = IdentitySet::default();
-            let keep: Vec<usize> = (0..last.len())
-                .filter(|&i| {
-                    if last.kind(i) == EventKind::AllBlocksCleared {
-                        seen.clear();
-                        true
-                    } else {
-                        seen.insert(last.identity(i))
-                    }
-                })
-                .collect();
-            if keep.len() == last.len() {
-                return last;
-            }
-            Arc::new(Batch::gather(keep.iter().map(|&i| (&*last, i))))
+            let keep = (0..last.len()).filter(|&i| {
+                if last.kind(i) == EventKind::AllBlocksCleared {
+                    seen.clear();
+                    true
+                } else {
+                    seen.insert(last.identity(i))
+                }
+            });
+            carried(m, keep)
         }
         Rule::Any => unreachable!("rule \"any\" has its own pass"),
     }
+}
+
+/// The events at `indices` (equal on every rank), each taken from a rank
+/// whose batch carries its bytes; `check_elided` guarantees there is one.
+fn carried(m: &Merger, indices: impl Iterator<Item = usize>) -> Published {
+    let batches: Vec<&Arc<Batch>> = m.incoming.iter().flatten().collect();
+    Published::new(
+        indices
+            .map(|i| {
+                let carrier = batches
+                    .iter()
+                    .find(|b| b.has_bytes(i))
+                    .unwrap_or(&batches[0]);
+                ((*carrier).clone(), i as u32)
+            })
+            .collect(),
+    )
 }

@@ -2,8 +2,10 @@
 //! that applies the rule. The rules themselves are in `segment` ("all",
 //! "quorum"), `union` ("any") and `fast` (every rank said the same thing).
 
+mod carriers;
 mod config;
 mod fast;
+mod published;
 mod segment;
 mod slots;
 mod stats;
@@ -13,6 +15,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 pub use config::{MergerConfig, Rule, MAX_WORLD_SIZE};
+pub use published::Published;
 pub use stats::Stats;
 
 use crate::batch::Batch;
@@ -31,16 +34,38 @@ struct Report {
     /// Replication factor under "quorum" (1 for everything else).
     factor: u32,
     clear: bool,
+    carried: bool,
+}
+
+impl Report {
+    fn publication(&self) -> Publication {
+        Publication {
+            slot: self.slot,
+            idx: self.idx,
+            carried: self.carried,
+        }
+    }
 }
 
 /// Where a report stands among all reports: `(step, index, rank)`.
 type Position = (u64, u32, u32);
 
-/// A published event: which batch slot and which event in it.
+/// A published event: which batch slot and which event in it, and whether
+/// that batch holds the event's bytes (the output needs one report that does).
 #[derive(Debug, Clone, Copy)]
 struct Publication {
     slot: u32,
     idx: u32,
+    carried: bool,
+}
+
+impl Publication {
+    /// Keeps the first report that carries the bytes.
+    fn prefer_carried(&mut self, other: Publication) {
+        if !self.carried && other.carried {
+            *self = other;
+        }
+    }
 }
 
 pub struct Merger {
@@ -134,7 +159,34 @@ impl Merger {
                 }
             }
         }
+        if batch.elided() > 0 {
+            self.check_elided(r, batch)?;
+        }
         Ok(r)
+    }
+
+    /// A rank may leave out only bytes other ranks are bound to carry: then
+    /// every event this merger can publish has a report with its bytes.
+    fn check_elided(&self, rank: usize, batch: &Batch) -> Result<()> {
+        for i in 0..batch.len() {
+            let rec = batch.record(i);
+            if !rec.carried
+                && self
+                    .cfg
+                    .carries(rank, &rec.identity, rec.kind, rec.group_idx)
+            {
+                return Err(Error::Config(format!(
+                    "rank {rank} left out the bytes of event {i} ({}), which it must carry \
+                     under rule {:?} with world size {} and replication factors {:?}: \
+                     workers and merger must be configured alike",
+                    rec.kind.name(),
+                    self.cfg.rule.name(),
+                    self.cfg.world_size,
+                    self.cfg.replication_factors,
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn commit(&mut self, r: usize, batch: Arc<Batch>) {
@@ -146,6 +198,12 @@ impl Merger {
     /// Closes the step: returns the events that became complete, as one
     /// batch, in publication order.
     pub fn finish_step(&mut self) -> Arc<Batch> {
+        self.finish_step_published().into_batch()
+    }
+
+    /// `finish_step`, the events left where they are: each one a batch it
+    /// was reported in and its index there (no bytes copied).
+    pub fn finish_step_published(&mut self) -> Published {
         self.finish_step_with(true)
     }
 
@@ -153,10 +211,10 @@ impl Merger {
     /// check that the shortcut changes nothing.
     #[doc(hidden)]
     pub fn finish_step_general(&mut self) -> Arc<Batch> {
-        self.finish_step_with(false)
+        self.finish_step_with(false).into_batch()
     }
 
-    fn finish_step_with(&mut self, shortcut: bool) -> Arc<Batch> {
+    fn finish_step_with(&mut self, shortcut: bool) -> Published {
         let out = match self.cfg.rule {
             Rule::Any => union::finish(self),
             Rule::All | Rule::Quorum => {
@@ -215,6 +273,7 @@ impl Merger {
                     idx: i as u32,
                     factor: self.factor_of(&batch, i),
                     clear: batch.kind(i) == EventKind::AllBlocksCleared,
+                    carried: batch.has_bytes(i),
                 };
                 self.queues[rank].push_back(report);
             }
@@ -237,10 +296,15 @@ impl Merger {
         }
     }
 
-    fn gather(&self, pubs: &[Publication]) -> Batch {
-        Batch::gather(
+    fn published(&self, pubs: &[Publication]) -> Published {
+        debug_assert!(
+            pubs.iter().all(|p| p.carried),
+            "check_elided guarantees a carrier"
+        );
+        Published::new(
             pubs.iter()
-                .map(|p| (self.slots.get(p.slot), p.idx as usize)),
+                .map(|p| (self.slots.arc(p.slot), p.idx))
+                .collect(),
         )
     }
 }

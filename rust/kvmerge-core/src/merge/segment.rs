@@ -1,10 +1,7 @@
 //! Rules "all" and "quorum": segments between clears, completions among the
 //! reports before each rank's fence (docs/merge-rules.md).
 
-use std::sync::Arc;
-
-use super::{Merger, Position, Publication, Rule};
-use crate::batch::Batch;
+use super::{Merger, Position, Publication, Published, Rule};
 use crate::identity::IdentityMap;
 
 /// Buffers reused from step to step, so a step allocates almost nothing.
@@ -22,7 +19,7 @@ pub(super) struct Scratch {
     consumed: Vec<bool>,
 }
 
-pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
+pub(super) fn finish(m: &mut Merger) -> Published {
     let w = m.cfg.world_size;
     let mut pubs = Vec::new();
     // Slots are released only after the output is gathered from them.
@@ -46,18 +43,19 @@ pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
             released.push(fence.slot);
             m.stats.consumed += 1;
             let pos = (fence.step, fence.idx, r as u32);
-            if clear.is_none_or(|(p, _)| pos > p) {
-                let p = Publication {
-                    slot: fence.slot,
-                    idx: fence.idx,
-                };
-                clear = Some((pos, p));
+            let p = fence.publication();
+            match &mut clear {
+                None => clear = Some((pos, p)),
+                Some((at, publication)) => {
+                    *at = (*at).max(pos);
+                    publication.prefer_carried(p);
+                }
             }
         }
         pubs.push(clear.expect("world_size >= 1").1);
         fences = self::fences(m);
     }
-    let out = Arc::new(m.gather(&pubs));
+    let out = m.published(&pubs);
     for slot in released {
         m.slots.release(slot);
     }
@@ -132,10 +130,7 @@ fn complete(
             let j = s.counts[g * w + r];
             s.counts[g * w + r] += 1;
             let pos = (rep.step, rep.idx, r as u32);
-            let publication = Publication {
-                slot: rep.slot,
-                idx: rep.idx,
-            };
+            let publication = rep.publication();
             match rule {
                 Rule::All if j < s.quota[g] => {
                     s.consumed[k] = true;
@@ -143,10 +138,11 @@ fn complete(
                         first[g] = done.len() as u32;
                         done.extend((0..s.quota[g]).map(|_| (pos, publication)));
                     }
+                    // Equal identities, equal bytes: any of the reports
+                    // used can supply them, if its batch carries them.
                     let slot = &mut done[(first[g] + j) as usize];
-                    if pos > slot.0 {
-                        *slot = (pos, publication);
-                    }
+                    slot.0 = slot.0.max(pos);
+                    slot.1.prefer_carried(publication);
                 }
                 Rule::Quorum if j == 0 => s.firsts[g * w + r] = Some((pos, publication)),
                 _ => {}
@@ -171,7 +167,11 @@ fn complete(
                         .collect();
                     let q = (w as u64).div_ceil(rep.factor as u64) as usize;
                     firsts.select_nth_unstable_by_key(q - 1, |(pos, _)| *pos);
-                    done.push(firsts[q - 1]);
+                    let (pos, mut publication) = firsts[q - 1];
+                    for (_, p) in &firsts {
+                        publication.prefer_carried(*p);
+                    }
+                    done.push((pos, publication));
                 }
                 k += 1;
             }

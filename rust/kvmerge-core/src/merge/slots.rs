@@ -26,8 +26,12 @@ impl Slots {
         }
     }
 
-    pub fn get(&self, slot: u32) -> &Batch {
-        &self.entries[slot as usize].as_ref().expect("live slot").0
+    pub fn arc(&self, slot: u32) -> Arc<Batch> {
+        self.entries[slot as usize]
+            .as_ref()
+            .expect("live slot")
+            .0
+            .clone()
     }
 
     /// One fewer report points into `slot`.

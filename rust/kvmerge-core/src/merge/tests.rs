@@ -3,7 +3,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 
 use super::*;
-use crate::testing::{batch, clear, removed, stored, Ev};
+use crate::testing::{batch, clear, payload, removed, stored, Ev};
 
 fn merger(w: usize, rule: Rule, factors: Option<Vec<u32>>, pending: u64) -> Merger {
     Merger::new(MergerConfig {
@@ -327,6 +327,92 @@ proptest! {
             prop_assert_eq!(sa.reports, sa.consumed + sa.cleared + sa.expired + sa.pending);
         }
     }
+}
+
+fn step_events(reports: &[Option<Vec<u8>>], r: usize) -> Option<Vec<Ev>> {
+    reports[r].as_ref().map(|evs| {
+        evs.iter()
+            .map(|&h| match h {
+                0 => clear(),
+                1 => stored(1, Some(1)),
+                2 => stored(2, Some(0)),
+                h => removed(h),
+            })
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Ranks that leave out the bytes other ranks carry change nothing: the
+    /// same events, the same bytes, the same counters, on either path.
+    #[test]
+    fn leaving_bytes_to_carriers_changes_nothing(
+        steps in prop::collection::vec(step_reports(4), 1..6),
+        identical in prop::collection::vec(any::<bool>(), 6),
+        rule in prop_oneof![Just(Rule::All), Just(Rule::Quorum), Just(Rule::Any)],
+        pending in 0u64..3,
+        general in any::<bool>(),
+    ) {
+        let factors = (rule == Rule::Quorum).then(|| vec![1, 2]);
+        let mut full = merger(4, rule, factors.clone(), pending);
+        let mut lean = merger(4, rule, factors, pending);
+        let cfg = lean.config().clone();
+        for (s, reports) in steps.iter().enumerate() {
+            for r in 0..4 {
+                let evs = step_events(reports, if identical[s] { 0 } else { r });
+                if let Some(evs) = evs {
+                    full.add(r as i64, Arc::new(batch(&evs))).unwrap();
+                    let b = Batch::encode_for(&payload(&evs), Some((&cfg, r))).unwrap();
+                    lean.add(r as i64, Arc::new(b)).unwrap();
+                }
+            }
+            let x = full.finish_step();
+            let y = if general { lean.finish_step_general() } else { lean.finish_step() };
+            prop_assert_eq!(y.elided(), 0);
+            prop_assert_eq!(ids(&x), ids(&y));
+            prop_assert_eq!(x.payload(), y.payload());
+            prop_assert_eq!(full.stats(), lean.stats());
+        }
+    }
+}
+
+#[test]
+fn leaving_out_bytes_a_rank_must_carry_is_refused() {
+    let evs: Vec<Ev> = (3..40).map(removed).collect();
+    // Encoded for a world of 4, added to a merger of 2: rank 0 leaves out
+    // the events a world of 4 gives to ranks 2 and 3, some of which a world
+    // of 2 gives to rank 0.
+    let four = MergerConfig::new(4, Rule::All);
+    let b = Arc::new(Batch::encode_for(&payload(&evs), Some((&four, 0))).unwrap());
+    assert!(b.elided() > 0);
+    let mut m = merger(2, Rule::All, None, 2);
+    let before = m.stats();
+    let err = m.add(0, b.clone()).unwrap_err();
+    assert!(
+        matches!(&err, Error::Config(msg) if msg.contains("must carry")),
+        "{err:?}"
+    );
+    assert_eq!(m.stats(), before);
+    // The same batch is fine for the world it was encoded for.
+    let mut m4 = merger(4, Rule::All, None, 2);
+    m4.add(0, b).unwrap();
+}
+
+#[test]
+fn encode_for_checks_its_config() {
+    let p = payload(&[removed(3)]);
+    let cfg = MergerConfig::new(2, Rule::All);
+    assert!(matches!(
+        Batch::encode_for(&p, Some((&cfg, 2))),
+        Err(Error::RankOutOfRange { .. })
+    ));
+    let bad = MergerConfig::new(2, Rule::Quorum);
+    assert!(matches!(
+        Batch::encode_for(&p, Some((&bad, 0))),
+        Err(Error::Config(_))
+    ));
 }
 
 // -- regressions found by fuzzing (rust/kvmerge-fuzz, docs/robustness.md) ----

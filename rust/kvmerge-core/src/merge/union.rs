@@ -2,17 +2,17 @@
 
 use std::sync::Arc;
 
-use super::Merger;
+use super::{Merger, Published};
 use crate::batch::Batch;
 use crate::identity::IdentitySet;
 use crate::schema::EventKind;
 
-pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
+pub(super) fn finish(m: &mut Merger) -> Published {
     let batches: Vec<&Arc<Batch>> = m.incoming.iter().flatten().collect();
     let total: usize = batches.iter().map(|b| b.len()).sum();
     m.stats.consumed += total as u64;
     let Some(&first) = batches.first() else {
-        return Arc::new(Batch::empty());
+        return Published::new(Vec::new());
     };
     // Identical reports collapse onto the first rank's: walk that one alone.
     let walk: Vec<&Arc<Batch>> = if batches.iter().all(|b| b.identity_column_eq(first)) {
@@ -25,7 +25,7 @@ pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
     // Consecutive clears collapse; a clear after anything else is published,
     // or a subscriber would keep what a rank cleared.
     let mut last_was_clear = false;
-    let mut out: Vec<(&Batch, usize)> = Vec::new();
+    let mut out: Vec<(Arc<Batch>, u32)> = Vec::new();
     for i in 0..longest {
         for b in walk.iter().filter(|b| i < b.len()) {
             let publish = if b.kind(i) == EventKind::AllBlocksCleared {
@@ -41,12 +41,9 @@ pub(super) fn finish(m: &mut Merger) -> Arc<Batch> {
                 new
             };
             if publish {
-                out.push((b, i));
+                out.push(((*b).clone(), i as u32));
             }
         }
     }
-    if walk.len() == 1 && out.len() == first.len() {
-        return first.clone();
-    }
-    Arc::new(Batch::gather(out.into_iter()))
+    Published::new(out)
 }
