@@ -44,7 +44,6 @@ from .incidents import Incidents
 from .native import combine_native
 from .rules import (
     FACTORS_KEY,
-    INFERRED_RULES,
     KIND_MOONCAKE,
     KIND_NATIVE,
     KIND_OTHER,
@@ -176,7 +175,7 @@ class _Lane:
         if self.mode != "merge" or self.merger is not None:
             return
         assert self.kind is not None
-        rule = self.spec.rule or INFERRED_RULES[self.kind]
+        rule = self.spec.rule_for(self.kind)
         factors, source = self.spec.factors, FACTORS_KEY
         if rule == "quorum" and factors is None:
             factors = next((f for _r, _k, _p, f in present if f is not None), None)
@@ -383,7 +382,7 @@ class KVMergeMultiConnector(MultiConnector):
         """This rank's batch of a child's events: every event's record, and
         the bytes only of the events this rank carries under the rule the
         scheduler's merger applies (``kvmerge.encode`` with a rank)."""
-        rule = child.rule or INFERRED_RULES[kind]
+        rule = child.rule_for(kind)
         factors = child.factors if child.factors is not None else reported
         if rule not in ("all", "quorum", "any") or (rule == "quorum" and not factors):
             # No merger can take this lane (the scheduler says why): keep it all.

@@ -133,6 +133,12 @@ class ChildSpec:
     def label(self) -> str:
         return f"connectors[{self.index}] ({self.name})"
 
+    def rule_for(self, kind: str) -> str:
+        """The rule this child's lane merges with, given its container kind:
+        the configured one, else the one the kind implies (the worker, which
+        decides whose bytes travel, and the scheduler must agree)."""
+        return self.rule or INFERRED_RULES[kind]
+
     @property
     def encodes(self) -> bool | None:
         """True: always encode; False: always native; None: by container type."""

@@ -146,6 +146,7 @@ impl Batch {
         let n = r
             .read_array_len()
             .map_err(|e| Error::InvalidEvents(e.to_string()))?;
+        let old_header = r.pos();
         // The announced count is untrusted until the events are read: every
         // event takes bytes of the payload, so its length bounds the count.
         let records = n.min(payload.len()) * RECORD_LEN;
@@ -182,7 +183,6 @@ impl Batch {
         }
         // A shorter array header may shift every offset: rewrite them.
         let kept = n - left_out.len();
-        let old_header = r_header_len(payload);
         let new_header = array_header_len(kept);
         let base = out.len();
         msgpack::write_array_header(&mut out, kept);
@@ -355,15 +355,6 @@ fn array_header_len(n: usize) -> usize {
         3
     } else {
         5
-    }
-}
-
-/// Length of the array header at the start of a payload `Reader` accepted.
-fn r_header_len(payload: &[u8]) -> usize {
-    match payload[0] {
-        0x90..=0x9f => 1,
-        0xdc => 3,
-        _ => 5,
     }
 }
 

@@ -261,6 +261,21 @@ fn intersection(reports: &[Option<Vec<u8>>], w: usize) -> Vec<u8> {
     out
 }
 
+/// Rank `r`'s events of one step: 0 a clear, 1 and 2 stores of groups 1
+/// and 0, anything else a removal.
+fn step_events(reports: &[Option<Vec<u8>>], r: usize) -> Option<Vec<Ev>> {
+    reports[r].as_ref().map(|evs| {
+        evs.iter()
+            .map(|&h| match h {
+                0 => clear(),
+                1 => stored(1, Some(1)),
+                2 => stored(2, Some(0)),
+                h => removed(h),
+            })
+            .collect()
+    })
+}
+
 fn step_reports(w: usize) -> impl Strategy<Value = Vec<Option<Vec<u8>>>> {
     prop::collection::vec(
         prop::option::weighted(0.9, prop::collection::vec(0u8..6, 0..8)),
@@ -300,14 +315,8 @@ proptest! {
         let mut b = merger(4, rule, factors, pending);
         for (s, reports) in steps.iter().enumerate() {
             let mut batches: Vec<(i64, Arc<Batch>)> = Vec::new();
-            for (r, evs) in reports.iter().enumerate() {
-                let evs = if identical[s] { &reports[0] } else { evs };
-                if let Some(evs) = evs {
-                    let evs: Vec<Ev> = evs.iter().map(|&h| match h {
-                        0 => clear(),
-                        1 => stored(1, Some(1)),
-                        h => removed(h),
-                    }).collect();
+            for r in 0..4 {
+                if let Some(evs) = step_events(reports, if identical[s] { 0 } else { r }) {
                     batches.push((r as i64, Arc::new(batch(&evs))));
                 }
             }
@@ -327,19 +336,6 @@ proptest! {
             prop_assert_eq!(sa.reports, sa.consumed + sa.cleared + sa.expired + sa.pending);
         }
     }
-}
-
-fn step_events(reports: &[Option<Vec<u8>>], r: usize) -> Option<Vec<Ev>> {
-    reports[r].as_ref().map(|evs| {
-        evs.iter()
-            .map(|&h| match h {
-                0 => clear(),
-                1 => stored(1, Some(1)),
-                2 => stored(2, Some(0)),
-                h => removed(h),
-            })
-            .collect()
-    })
 }
 
 proptest! {
