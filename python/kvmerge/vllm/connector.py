@@ -6,8 +6,10 @@ Only the event path differs from upstream:
 * worker side, ``get_kv_connector_kv_cache_events``: every step, every child
   is drained (children that return None too) and one ``KVMergeKVEvents`` is
   returned, always, holding this worker's rank and one lane per child (by
-  position): the child's events encoded with ``kvmerge.encode``, or for native
-  lanes the child's own container;
+  position): the child's events encoded with ``kvmerge.encode`` for this
+  rank (every event's record, the bytes only of the events this rank carries
+  under the lane's rule: docs/merge-rules.md, "Whose bytes travel"), or for
+  native lanes the child's own container;
 * scheduler side, ``update_connector_output``: the lanes of all workers' reports
   go to one ``kvmerge.Merger`` per merged child (world size from the vLLM
   config), native lanes are recombined with the child's own methods; every
