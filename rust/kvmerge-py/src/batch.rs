@@ -17,7 +17,7 @@ use crate::errors::{
     config, corrupt_batch, incomplete_batch, invalid_event, rank_out_of_range, PyKvError,
 };
 use crate::gil::without_gil;
-use crate::merger::config_arg;
+use crate::merger::{config_arg, int_arg};
 use crate::schema::schema;
 
 /// A received Python buffer whose memory cannot change (see
@@ -418,9 +418,9 @@ pub fn encode(
         (Some(rank), Some(world_size)) => {
             let zero = 0u64.into_pyobject(py)?.into_any();
             let cfg = config_arg(world_size, rule, replication_factors, &zero)?;
-            let r = rank
-                .extract::<usize>()
-                .ok()
+            // As `Merger.add`: a non-int is a TypeError, any int outside the
+            // world (however large) a RankError.
+            let r = int_arg::<usize>(rank)?
                 .filter(|&r| r < cfg.world_size)
                 .ok_or_else(|| {
                     rank_out_of_range(

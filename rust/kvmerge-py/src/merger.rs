@@ -227,7 +227,7 @@ pub(crate) fn config_arg(
     Ok(cfg)
 }
 
-fn int_arg<'py, T>(obj: &Bound<'py, PyAny>) -> PyResult<Option<T>>
+pub(crate) fn int_arg<'py, T>(obj: &Bound<'py, PyAny>) -> PyResult<Option<T>>
 where
     T: for<'a> FromPyObject<'a, 'py>,
 {

@@ -23,22 +23,15 @@ impl MergerConfig {
     /// The fewest distinct ranks whose reports can publish this event.
     fn min_reporters(&self, kind: EventKind, group: Option<i64>) -> usize {
         let w = self.world_size;
-        match (self.rule, kind) {
-            (Rule::Any, _) => 1,
-            (Rule::All, _) | (Rule::Quorum, EventKind::AllBlocksCleared) => w,
-            (Rule::Quorum, EventKind::BlockStored) => {
-                let factors = self.replication_factors.as_deref().unwrap_or(&[]);
-                let factor = group
-                    .and_then(|g| usize::try_from(g).ok())
-                    .and_then(|g| factors.get(g));
-                match factor {
-                    Some(&f) => w.div_ceil(f as usize),
-                    // A group without a factor is refused by `Merger::add`;
-                    // until then, every rank keeps the bytes.
-                    None => 1,
-                }
-            }
-            (Rule::Quorum, EventKind::BlockRemoved) => w,
+        match self.rule {
+            Rule::Any => 1,
+            Rule::All => w,
+            Rule::Quorum => match self.replication_factor(kind, group) {
+                Some(f) => w.div_ceil(f as usize),
+                // A group without a factor is refused by `Merger::add`;
+                // until then, every rank keeps the bytes.
+                None => 1,
+            },
         }
     }
 

@@ -1,4 +1,5 @@
 use crate::error::{Error, Result};
+use crate::schema::EventKind;
 
 /// How reports from different ranks combine; see docs/merge-rules.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +60,22 @@ impl MergerConfig {
             rule,
             replication_factors: None,
             max_pending_steps: 32,
+        }
+    }
+
+    /// The replication factor "quorum" applies to an event: its group's for
+    /// a `BlockStored` with a `group_idx`, 1 for everything else; None for a
+    /// group `replication_factors` does not cover.
+    pub fn replication_factor(&self, kind: EventKind, group: Option<i64>) -> Option<u32> {
+        match (kind, group) {
+            (EventKind::BlockStored, Some(g)) => {
+                let factors = self.replication_factors.as_deref().unwrap_or(&[]);
+                usize::try_from(g)
+                    .ok()
+                    .and_then(|g| factors.get(g))
+                    .copied()
+            }
+            _ => Some(1),
         }
     }
 

@@ -148,14 +148,15 @@ impl Merger {
         if let (Rule::Quorum, Some(factors)) = (self.cfg.rule, &self.cfg.replication_factors) {
             for i in 0..batch.len() {
                 let rec = batch.record(i);
-                if let (EventKind::BlockStored, Some(g)) = (rec.kind, rec.group_idx) {
-                    if usize::try_from(g).map_or(true, |g| g >= factors.len()) {
-                        return Err(Error::GroupOutOfRange {
-                            index: i,
-                            group: g,
-                            n_factors: factors.len(),
-                        });
-                    }
+                if let (None, Some(g)) = (
+                    self.cfg.replication_factor(rec.kind, rec.group_idx),
+                    rec.group_idx,
+                ) {
+                    return Err(Error::GroupOutOfRange {
+                        index: i,
+                        group: g,
+                        n_factors: factors.len(),
+                    });
                 }
             }
         }
@@ -246,14 +247,13 @@ impl Merger {
     }
 
     fn factor_of(&self, batch: &Batch, i: usize) -> u32 {
-        let Some(factors) = &self.cfg.replication_factors else {
+        if self.cfg.replication_factors.is_none() {
             return 1;
-        };
-        let rec = batch.record(i);
-        match (rec.kind, rec.group_idx) {
-            (EventKind::BlockStored, Some(g)) => factors[g as usize],
-            _ => 1,
         }
+        let rec = batch.record(i);
+        self.cfg
+            .replication_factor(rec.kind, rec.group_idx)
+            .expect("check() refused groups without a factor")
     }
 
     fn enqueue_incoming(&mut self) {
@@ -297,10 +297,7 @@ impl Merger {
     }
 
     fn published(&self, pubs: &[Publication]) -> Published {
-        debug_assert!(
-            pubs.iter().all(|p| p.carried),
-            "check_elided guarantees a carrier"
-        );
+        // Published::new asserts each pick has its bytes (check_elided).
         Published::new(
             pubs.iter()
                 .map(|p| (self.slots.arc(p.slot), p.idx))
