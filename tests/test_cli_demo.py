@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.vllm
+
 CMD = [sys.executable, "-m", "kvmerge"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 CONNECTORS = ("DemoLMCacheConnector", "DemoMooncakeConnector", "DemoUMBPConnector")

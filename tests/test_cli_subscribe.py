@@ -19,6 +19,8 @@ import msgspec
 import pytest
 from test_cli_demo import CONNECTORS, demo_with_subscriber, lane_table, number
 
+pytestmark = pytest.mark.vllm
+
 CMD = [sys.executable, "-m", "kvmerge"]
 MEDIUM = {
     "DemoLMCacheConnector": "LMCACHE",

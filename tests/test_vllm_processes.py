@@ -18,6 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import vllm_mq_worker as script
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -26,6 +27,8 @@ from vllm_harness import Bus, build, make_config
 
 from kvmerge import EventBatch
 from kvmerge.vllm import register
+
+pytestmark = pytest.mark.vllm
 
 TESTS = Path(__file__).resolve().parent
 

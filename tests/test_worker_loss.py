@@ -20,6 +20,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 import kvmerge
 from kvmerge import EventBatch, Merger, RankError
 
+pytestmark = pytest.mark.vllm
+
 
 def rm(h: int) -> BlockRemoved:
     return BlockRemoved(block_hashes=[h], medium=None)

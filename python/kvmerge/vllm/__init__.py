@@ -1,13 +1,17 @@
-"""vLLM 0.33.0 integration: ``KVMergeMultiConnector``.
+"""vLLM integration: ``KVMergeMultiConnector``.
 
-Use it in place of vLLM's ``MultiConnector``::
+Use it in place of vLLM's ``MultiConnector``, by either spelling::
 
     --kv-transfer-config '{"kv_connector": "KVMergeMultiConnector", ...}'
+    --kv-transfer-config '{"kv_connector": "MultiConnector",
+                           "kv_connector_module_path": "kvmerge.vllm", ...}'
 
-The name is registered with ``KVConnectorFactory`` by the ``vllm.general_plugins``
-entry point (``register``), which vLLM calls in every process;
-``"kv_connector_module_path": "kvmerge.vllm"`` works as well. This module stays
-cheap to import: the connector and container classes load on first use.
+The second is what vLLM runs either way (``alias``): vLLM loads
+``kvmerge.vllm.MultiConnector`` (this package's class) from the module path,
+and every setting vLLM derives from the name ``"MultiConnector"`` applies. The
+``vllm.general_plugins`` entry point (``register``), which vLLM calls in every
+process, registers the first name and makes it mean the second. This module
+stays cheap to import: the connector and container classes load on first use.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .connector import KVMergeMultiConnector
+    from .connector import KVMergeMultiConnector as MultiConnector
     from .container import KVMergeKVEvents, WorkerReport, WorkerReports
 
 __all__ = [
     "CONNECTOR_NAME",
     "KVMergeKVEvents",
     "KVMergeMultiConnector",
+    "MultiConnector",
     "WorkerReport",
     "WorkerReports",
     "register",
@@ -32,21 +38,25 @@ CONNECTOR_NAME = "KVMergeMultiConnector"
 
 logger = logging.getLogger(__name__)
 
+# name -> (submodule, attribute)
 _LAZY = {
-    "KVMergeMultiConnector": "connector",
-    "KVMergeKVEvents": "container",
-    "WorkerReport": "container",
-    "WorkerReports": "container",
+    CONNECTOR_NAME: ("connector", CONNECTOR_NAME),
+    # What vLLM loads for kv_connector "MultiConnector" with this module path.
+    "MultiConnector": ("connector", CONNECTOR_NAME),
+    "KVMergeKVEvents": ("container", "KVMergeKVEvents"),
+    "WorkerReport": ("container", "WorkerReport"),
+    "WorkerReports": ("container", "WorkerReports"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
+    found = _LAZY.get(name)
+    if found is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f"{__name__}.{module_name}"), name)
+    module_name, attribute = found
+    value = getattr(importlib.import_module(f"{__name__}.{module_name}"), attribute)
     globals()[name] = value
     return value
 
@@ -54,10 +64,18 @@ def __getattr__(name: str) -> Any:
 def register() -> None:
     """Register ``KVMergeMultiConnector`` with vLLM's ``KVConnectorFactory``.
 
-    Idempotent: vLLM loads general plugins in every process, possibly more than
-    once, and ``register_connector`` raises for a name it already has.
+    Also makes a transfer config naming it mean ``MultiConnector`` from this
+    module (``alias.install``), and warns if the running vLLM is outside the
+    supported range. Idempotent: vLLM loads general plugins in every process,
+    possibly more than once, and ``register_connector`` raises for a name it
+    already has.
     """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from . import alias, versions
+
+    versions.warn_if_unsupported()
+    alias.install()
 
     try:
         KVConnectorFactory.register_connector(

@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 import kvmerge
 from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError
 
+from .alias import MODULE_PATH, UPSTREAM_NAME
 from .container import KVMergeKVEvents, WorkerReport
 from .incidents import Incidents
 from .native import combine_native
@@ -50,7 +51,6 @@ from .rules import (
     KIND_NATIVE,
     KIND_OTHER,
     MERGE_KEY,
-    NAME_CHECKED_CHILDREN,
     ChildSpec,
     MultiSpec,
     container_factors,
@@ -268,16 +268,30 @@ class KVMergeMultiConnector(MultiConnector):
             raise ValueError("kv_transfer_config must be set for KVMergeMultiConnector")
         # Settings first: misconfiguration fails before any child is built.
         spec: MultiSpec = parse_multi(ktc.kv_connector_extra_config)
-        if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and (
-            not MultiConnector.all_children_support_hma(ktc)
-        ):
-            # vLLM auto-disables HMA for a connector config that lacks support
-            # only when the connector is named "MultiConnector".
-            raise ValueError(
-                "KVMergeMultiConnector: the hybrid KV cache manager is enabled but "
-                "not every child connector supports it; pass "
-                "--disable-hybrid-kv-cache-manager"
-            )
+        if ktc.kv_connector != UPSTREAM_NAME:
+            # A config made before the plugin loaded keeps kvmerge's own name
+            # (alias): vLLM skipped everything it derives from the children
+            # of a connector named "MultiConnector".
+            if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and (
+                not MultiConnector.all_children_support_hma(ktc)
+            ):
+                raise ValueError(
+                    f"KVMergeMultiConnector: kv_connector is {ktc.kv_connector!r}, "
+                    "the hybrid KV cache manager is enabled and not every child "
+                    "connector supports it; name 'MultiConnector' with "
+                    f"kv_connector_module_path {MODULE_PATH!r}, or pass "
+                    "--disable-hybrid-kv-cache-manager"
+                )
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning(
+                    "KVMergeMultiConnector: kv_connector is %r, so vLLM derived "
+                    "the KV roles and the children's engine-level setup as for a "
+                    "single connector, not as for MultiConnector; name %r with "
+                    "kv_connector_module_path %r to get MultiConnector's",
+                    ktc.kv_connector,
+                    UPSTREAM_NAME,
+                    MODULE_PATH,
+                )
         super().__init__(vllm_config, role, kv_cache_config)
         self._spec = spec
         events_config = vllm_config.kv_events_config
@@ -291,15 +305,6 @@ class KVMergeMultiConnector(MultiConnector):
         self._rank: int | None = None
         self._lanes: list[_Lane] = []
         if role == KVConnectorRole.SCHEDULER:
-            unseen = [c.label for c in spec.children if c.name in NAME_CHECKED_CHILDREN]
-            if unseen:
-                logger.warning(
-                    "KVMergeMultiConnector: vLLM 0.33.0 looks for %s by name only "
-                    "inside a connector named 'MultiConnector'; its engine-level "
-                    "setup for them (KVTransferConfig.has_connector) is skipped "
-                    "under KVMergeMultiConnector",
-                    ", ".join(unseen),
-                )
             # Quiet for a whole pending window: nothing of the incident is left.
             self._incidents = Incidents(self._world_size, spec.max_pending_steps + 1)
             self._steps = 0
@@ -455,6 +460,10 @@ class KVMergeMultiConnector(MultiConnector):
         return sum(lane.merger.stats().expired for lane in self._lanes if lane.merger)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._role != KVConnectorRole.SCHEDULER:
+            # Nothing to merge outside the scheduler: upstream's behaviour.
+            super().update_connector_output(connector_output)
+            return
         n = len(self._lanes)
         events = connector_output.kv_cache_events
         native: list[KVConnectorKVEvents | None] = [None] * n

@@ -33,21 +33,6 @@ FACTORS_KEY: Final = "kv_events_replication_factors"
 MAX_PENDING_KEY: Final = "max_pending_steps"
 OUTPUT_KEY: Final = "kv_events_output"
 
-#: Children for which vLLM 0.33.0 does engine-level setup only when it finds
-#: them by name (``KVTransferConfig.has_connector``), which looks inside
-#: ``"MultiConnector"`` and no other wrapper.
-NAME_CHECKED_CHILDREN: Final = frozenset(
-    {
-        "HiSparseConnector",
-        "MoRIIOConnector",
-        "MooncakeConnector",
-        "NixlConnector",
-        "NixlPullConnector",
-        "NixlPushConnector",
-        "SimpleCPUOffloadConnector",
-    }
-)
-
 MERGED_RULES: Final = ("all", "quorum", "any")
 RULES: Final = (*MERGED_RULES, "native")
 OUTPUTS: Final = ("raw", "objects")

@@ -1,0 +1,224 @@
+"""vLLM's own MultiConnector tests, run against KVMergeMultiConnector.
+
+Usage: python .ci/vllm_peer_tests.py   (with the venv of the vLLM to test)
+
+Takes ``tests/v1/kv_connector/unit/test_multi_connector.py`` from the PyPI
+sdist of the running vLLM release (downloaded once into the cache, checked
+against the index's sha256), runs it twice in a folder holding only the sdist's
+``tests/`` and ``pyproject.toml`` (so that its ``vllm/`` does not shadow the
+installed one):
+
+* upstream: as released, against vLLM's ``MultiConnector``;
+* ours: the same file with ``MultiConnector`` bound to
+  ``kvmerge.vllm.KVMergeMultiConnector`` and every ``"MultiConnector"`` in a
+  config renamed ``"KVMergeMultiConnector"``, after vLLM's plugin loader has
+  loaded kvmerge's entry point, as in ``vllm serve``.
+
+Every test that passes upstream must pass ours, except those listed in
+docs/vllm.md's table between ``<!-- peer-exceptions -->`` markers (the test,
+the releases it differs on, why). Exits 1 on any other difference, or if a
+listed exception no longer differs (the list must stay true).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+import xml.etree.ElementTree as ET
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_FILE = "tests/v1/kv_connector/unit/test_multi_connector.py"
+DOC = ROOT / "docs" / "vllm.md"
+MARK = "<!-- peer-exceptions -->"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvmerge"
+SUBSTITUTE = (
+    "\n# kvmerge: vLLM's plugin loader loads kvmerge's entry point, and the\n"
+    "# name MultiConnector means KVMergeMultiConnector in this file.\n"
+    "from vllm.plugins import load_general_plugins as _kvmerge_load_plugins\n"
+    "_kvmerge_load_plugins()\n"
+    "from kvmerge.vllm import KVMergeMultiConnector as MultiConnector  # noqa\n"
+)
+
+
+def index_url() -> str:
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+            capture_output=True,
+            text=True,
+        )
+        url = out.stdout.strip() if out.returncode == 0 else ""
+    return (url or "https://pypi.org/simple").rstrip("/")
+
+
+def sdist(version: str) -> Path:
+    """The sdist of vllm ``version``, from the cache or the package index."""
+    name = f"vllm-{version}.tar.gz"
+    path = CACHE / "sdists" / name
+    if path.exists():
+        return path
+    req = urllib.request.Request(
+        f"{index_url()}/vllm/",
+        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        files = json.load(resp)["files"]
+    entry = next(f for f in files if f["filename"] == name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".part")
+    digest = hashlib.sha256()
+    with (
+        urllib.request.urlopen(entry["url"], timeout=600) as resp,
+        open(part, "wb") as out,
+    ):
+        while chunk := resp.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    want = entry["hashes"]["sha256"]
+    if digest.hexdigest() != want:
+        part.unlink()
+        raise SystemExit(f"{name}: sha256 {digest.hexdigest()} != index's {want}")
+    part.rename(path)
+    return path
+
+
+def extract(archive: Path, version: str, into: Path) -> None:
+    prefix = f"vllm-{version}/"
+    with tarfile.open(archive) as tar:
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix + "tests/")
+            or m.name == prefix + "pyproject.toml"
+        ]
+        for m in members:
+            m.name = m.name[len(prefix) :]
+        tar.extractall(into, members=members, filter="data")
+
+
+def substitute(source: str) -> str:
+    """The test file with kvmerge's connector in place of MultiConnector."""
+    tree = ast.parse(source)
+    last_import = max(
+        n.end_lineno or n.lineno
+        for n in tree.body
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    )
+    lines = source.splitlines(keepends=True)
+    head, tail = "".join(lines[:last_import]), "".join(lines[last_import:])
+    renamed, n = re.subn(r"([\"'])MultiConnector\1", r"\1KVMergeMultiConnector\1", tail)
+    if n == 0:
+        raise SystemExit(f"{TEST_FILE}: no MultiConnector config to rename")
+    return head + SUBSTITUTE + renamed
+
+
+def run(folder: Path, report: Path) -> dict[str, str]:
+    """pytest over the test file; test name -> outcome."""
+    hf_home = folder / "hf-home"
+    shutil.copytree(ROOT.parent / "shared" / "data" / "hf-offline", hf_home)
+    env = {
+        **os.environ,
+        "HF_HOME": str(hf_home),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            TEST_FILE,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            "-o",
+            "addopts=",
+            "--timeout=600",
+        ],
+        cwd=folder,
+        env=env,
+        check=False,
+    )
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        test = f"{case.get('classname', '').rpartition('.')[2]}::{case.get('name')}"
+        test = test.removeprefix("test_multi_connector::")
+        kinds = {child.tag for child in case}
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            if tag in kinds:
+                outcome = {"failure": "failed"}.get(tag, tag)
+        outcomes[test] = outcome
+    return outcomes
+
+
+def exceptions(version: str) -> dict[str, str]:
+    """docs/vllm.md's table, the rows of this release: test -> why it differs."""
+    text = DOC.read_text()
+    start, end = text.index(MARK), text.rindex(MARK)
+    rows: dict[str, str] = {}
+    for line in text[start:end].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            releases = {r.strip() for r in cells[1].split(",")}
+            if version in releases:
+                rows[cells[0].strip("`")] = cells[2]
+    return rows
+
+
+def main() -> int:
+    version = metadata.version("vllm")
+    archive = sdist(version)
+    allowed = exceptions(version)
+    with tempfile.TemporaryDirectory(prefix="kvmerge-peer-") as tmp:
+        results = {}
+        for side in ("upstream", "ours"):
+            folder = Path(tmp) / side
+            folder.mkdir()
+            extract(archive, version, folder)
+            if side == "ours":
+                test = folder / TEST_FILE
+                test.write_text(substitute(test.read_text()))
+            print(f"\n== vLLM {version}'s {TEST_FILE}, {side}", flush=True)
+            results[side] = run(folder, Path(tmp) / f"{side}.xml")
+    upstream, ours = results["upstream"], results["ours"]
+    passed_upstream = {t for t, o in upstream.items() if o == "passed"}
+    passed_ours = {t for t, o in ours.items() if o == "passed"}
+    lost = sorted(passed_upstream - passed_ours)
+    unexplained = [t for t in lost if t not in allowed]
+    stale = sorted(t for t in allowed if t in passed_ours or t not in passed_upstream)
+    counts = {
+        side: {o: list(r.values()).count(o) for o in sorted(set(r.values()))}
+        for side, r in results.items()
+    }
+    print(f"\nvLLM {version}: upstream {counts['upstream']}, ours {counts['ours']}")
+    for t in lost:
+        print(f"  differs: {t}: {ours.get(t, 'not run')} ({allowed.get(t, '?')})")
+    if not passed_ours:
+        print("no test passed with KVMergeMultiConnector")
+        return 1
+    if unexplained:
+        print(f"FAILED: passes upstream, not with kvmerge: {unexplained}")
+        return 1
+    if stale:
+        print(f"FAILED: docs/vllm.md lists exceptions that do not differ: {stale}")
+        return 1
+    print(f"ok: {len(passed_ours)} of {len(passed_upstream)} upstream passes pass")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
