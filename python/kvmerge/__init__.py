@@ -18,6 +18,7 @@ from kvmerge._kvmerge import (
     Merger,
     MergerStats,
     RankError,
+    __version__,
     _borrow_buffers,
     encode,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "Merger",
     "MergerStats",
     "RankError",
+    "__version__",
     "borrow_buffers",
     "encode",
 ]

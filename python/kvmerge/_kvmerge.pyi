@@ -21,6 +21,9 @@ __all__ = [
     "encode",
 ]
 
+#: The version of the kvmerge-py crate, the Cargo workspace's version.
+__version__: str
+
 _Event = BlockStored | BlockRemoved | AllBlocksCleared
 _Rule = Literal["all", "quorum", "any"]
 

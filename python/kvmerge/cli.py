@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 # name -> (module, one-line help)
@@ -28,11 +29,24 @@ SUBCOMMANDS = {
 }
 
 
+def version_text() -> str:
+    """``kvmerge 0.1.0 (vLLM 0.33.0)``: vLLM's version from its installed
+    distribution's metadata, without importing vLLM."""
+    import kvmerge
+
+    try:
+        vllm = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm = "not installed"
+    return f"kvmerge {kvmerge.__version__} (vLLM {vllm})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmerge",
         description="Merge vLLM KV-cache events from many workers, in Rust.",
     )
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)

@@ -13,6 +13,8 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // Not `add`: that would list it in `__all__`.
+    m.setattr("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("KVMergeError", py.get_type::<errors::KVMergeError>())?;
     m.add("CorruptBatchError", errors::corrupt_batch_error(py)?)?;
     m.add("InvalidEventError", errors::invalid_event_error(py)?)?;
