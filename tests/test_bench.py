@@ -16,7 +16,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 import kvmerge
 from kvmerge.bench import grid_from_args, main, run_bench
-from kvmerge.bench.check import ChildDiff, load_reference
+from kvmerge.bench.check import ChildDiff
 from kvmerge.bench.runner import Case, run_case
 from kvmerge.bench.transport import OOB_THRESHOLD, dequeue, enqueue
 from kvmerge.bench.workload import Workload, WorkloadConfig, preset
@@ -166,21 +166,13 @@ def test_child_diff_reports_missing_extra_reordered():
 
 
 # --- end to end ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def reference():
-    module, why = load_reference()
-    assert module is not None, why
-    return module
-
-
-def test_vllm_path_differs_on_a_skewed_workload_kvmerge_does_not(reference):
+def test_vllm_path_differs_on_a_skewed_workload_kvmerge_does_not():
     cfg = WorkloadConfig(world_size=2, events=24, late=0.2, duplicate=0.2, seed=3)
     res = run_case(
         Case("custom", 2, 24),
         steps=3,
         warmup=1,
         seed=3,
-        reference=reference,
         check_limit=10_000,
         config=cfg,
     )
@@ -201,6 +193,8 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "A sched ms" in text and "targets:" in text and "load average" in text
     doc = json.loads((out / "bench.json").read_text())
+    # The model ships in the package: an installed wheel checks too.
+    assert doc["settings"]["reference"] == "kvmerge.testing.reference"
     assert [c["case"] for c in doc["cases"]] == [
         "uniform/tp2/8",
         "uniform/tp2/16",
@@ -253,3 +247,5 @@ def test_bad_arguments():
         p.parse_args(["--tp", "0"])
     with pytest.raises(SystemExit):
         p.parse_args(["--profile", "8by512"])
+    with pytest.raises(SystemExit):  # gone: the model is kvmerge.testing's
+        p.parse_args(["--reference", "tests/reference.py"])

@@ -1,4 +1,4 @@
-"""kvmerge.Merger agrees with the reference model (tests/reference.py).
+"""kvmerge.Merger agrees with the reference model (kvmerge.testing.reference).
 
 Every property compares the engine with the model or with an oracle written
 out here (multiset intersection, the "same sequence" consequences of the
@@ -11,7 +11,6 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import DECODER, ReferenceMerger, assert_same_events, assert_same_stats
 from strategies import (
     CLEAR,
     Scenario,
@@ -27,6 +26,12 @@ from strategies import (
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 
 import kvmerge
+from kvmerge.testing.reference import (
+    DECODER,
+    ReferenceMerger,
+    assert_same_events,
+    assert_same_stats,
+)
 
 FINISH = {
     "finish_step": lambda m: m.finish_step(),

@@ -17,10 +17,15 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from reference import DECODER, ReferenceMerger, assert_same_events, assert_same_stats
 from strategies import base_sequence, block_stored, max_pending, pools, quorum_configs
 
 import kvmerge
+from kvmerge.testing.reference import (
+    DECODER,
+    ReferenceMerger,
+    assert_same_events,
+    assert_same_stats,
+)
 
 
 @st.composite

@@ -37,7 +37,6 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_actors as ra  # noqa: E402
-from reference import COUNTERS, ReferenceMerger, assert_same_events  # noqa: E402
 from vllm.distributed.device_communicators.shm_broadcast import (  # noqa: E402
     MessageQueue,
 )
@@ -69,6 +68,11 @@ from vllm_harness import (  # noqa: E402
 
 import kvmerge  # noqa: E402
 from kvmerge import EventBatch  # noqa: E402
+from kvmerge.testing.reference import (  # noqa: E402
+    COUNTERS,
+    ReferenceMerger,
+    assert_same_events,
+)
 from kvmerge.vllm import KVMergeKVEvents, register  # noqa: E402
 
 # A hang guard: the module takes well under two minutes on an idle 2-core box.

@@ -16,7 +16,6 @@ import random
 
 import msgspec
 import pytest
-from reference import ReferenceMerger, assert_same_events
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
@@ -38,6 +37,7 @@ from vllm_harness import (
 )
 
 import kvmerge
+from kvmerge.testing.reference import ReferenceMerger, assert_same_events
 from kvmerge.vllm import KVMergeKVEvents, KVMergeMultiConnector, register
 from kvmerge.vllm.container import WorkerReports
 from kvmerge.vllm.topology import aggregated_world_size, worker_rank
@@ -529,7 +529,7 @@ def test_configured_factors_must_cover_reported_groups(bus):
 )
 def test_random_steps_match_the_reference_model(bus, name, extra, rule, factors):
     """Seeded random steps through workers, pickling, aggregator, scheduler and
-    publisher publish what tests/reference.py's model says, step by step."""
+    publisher publish what kvmerge.testing.reference's model says, step by step."""
     tp, steps, mps = 4, 14, 2
     rng = random.Random(f"{name}-{rule}")
     pool = [stored(h, group=h % 2) for h in range(1, 7)] + [removed(h) for h in (1, 2)]

@@ -9,7 +9,7 @@ same aggregator. Per case (workload, TP, events per child per rank per step)
 both paths run the same seeded steps, alternating which goes first. Reported
 per step: scheduler-side time, worker-side time per rank, bytes per rank, the
 ratios, and each path's output against the reference model
-(``tests/reference.py``). Output: a table, a JSON file and a PNG plot.
+(``kvmerge.testing.reference``). Output: a table, a JSON file and a PNG plot.
 
     kvmerge bench                      # the full grid (minutes)
     kvmerge bench --quick              # a few seconds
@@ -136,10 +136,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--no-check", action="store_true", help="do not run the reference model"
     )
-    c.add_argument(
-        "--reference",
-        help="path of tests/reference.py (default: found from the kvmerge checkout)",
-    )
     o = parser.add_argument_group("output")
     o.add_argument(
         "--out",
@@ -182,20 +178,14 @@ def run_bench(
     output: str = "raw",
     check: bool = True,
     check_limit: int = 4096,
-    reference: str | None = None,
     profile: tuple[int, int] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     """Run ``grid``; returns the JSON document (see docs/benchmarks.md)."""
     _quiet_vllm()
     from . import runner
-    from .check import load_reference
 
-    ref_module, ref_note = (None, "disabled (--no-check)")
-    if check:
-        ref_module, ref_note = load_reference(reference)
-        if ref_module is None:
-            log(f"note: {ref_note}")
+    ref_note = "kvmerge.testing.reference" if check else "disabled (--no-check)"
     doc: dict[str, Any] = {
         "machine": runner.machine(),
         "loadavg_start": runner.loadavg(),
@@ -218,7 +208,7 @@ def run_bench(
             steps=steps,
             warmup=warmup,
             seed=seed,
-            reference=ref_module,
+            check=check,
             check_limit=check_limit,
             output=output,
         )
@@ -311,7 +301,6 @@ def run(args: argparse.Namespace) -> int:
         output=args.output,
         check=not args.no_check,
         check_limit=args.check_limit,
-        reference=args.reference,
         profile=profile,
     )
     cases = doc["cases"]

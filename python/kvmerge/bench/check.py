@@ -1,13 +1,13 @@
 """Each path's output, per child and per step, against the reference model.
 
-The model is ``tests/reference.py`` (a plain-Python reading of
-docs/merge-rules.md): one ``ReferenceMerger`` per child, with the rule kvmerge
-gives that child (``"all"`` for LMCache, ``"quorum"`` with the container's
-replication factors for Mooncake, ``"all"`` for the list child) and the
-connector's ``max_pending_steps``, fed each rank's report of the step (what the
-child's container returns from ``get_all_events()``). Events are compared by
-their msgpack encoding (the model's identity, and exactly what a publisher
-sends): same events, same order.
+The model is ``kvmerge.testing.reference`` (a plain-Python reading of
+docs/merge-rules.md, shipped in the package): one ``ReferenceMerger`` per
+child, with the rule kvmerge gives that child (``"all"`` for LMCache,
+``"quorum"`` with the container's replication factors for Mooncake, ``"all"``
+for the list child) and the connector's ``max_pending_steps``, fed each rank's
+report of the step (what the child's container returns from
+``get_all_events()``). Events are compared by their msgpack encoding (the
+model's identity, and exactly what a publisher sends): same events, same order.
 
 The model is naive (quadratic in a step's reports), so large steps are left
 unchecked; see ``check_limit``.
@@ -15,68 +15,19 @@ unchecked; see ``check_limit``.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import msgspec
+
+from kvmerge.testing import reference
 
 from . import children as bench_children
 from .paths import MAX_PENDING_STEPS
 from .workload import Step
 
 _ENCODER = msgspec.msgpack.Encoder()
-ENV_REFERENCE = "KVMERGE_REFERENCE"
-
-
-def find_reference(path: str | os.PathLike[str] | None = None) -> Path | None:
-    """``tests/reference.py`` of the kvmerge checkout this package runs from
-    (or ``path``, or ``$KVMERGE_REFERENCE``)."""
-    candidates = []
-    if path is not None:
-        candidates.append(Path(path))
-    if os.environ.get(ENV_REFERENCE):
-        candidates.append(Path(os.environ[ENV_REFERENCE]))
-    import kvmerge
-
-    # python/kvmerge/__init__.py -> the repository root, in a source checkout
-    # or an editable install.
-    candidates.append(
-        Path(kvmerge.__file__).resolve().parents[2] / "tests" / "reference.py"
-    )
-    for c in candidates:
-        if c.is_file():
-            return c
-    return None
-
-
-def load_reference(
-    path: str | os.PathLike[str] | None = None,
-) -> tuple[ModuleType | None, str]:
-    """The reference module, or None and why not."""
-    found = find_reference(path)
-    if found is None:
-        return None, (
-            "reference model not found (tests/reference.py of a kvmerge checkout; "
-            f"set {ENV_REFERENCE} or --reference): outputs are not checked"
-        )
-    name = "_kvmerge_bench_reference"
-    spec = importlib.util.spec_from_file_location(name, found)
-    if spec is None or spec.loader is None:
-        return None, f"cannot import the reference model from {found}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # an unfinished reference must not stop the bench
-        del sys.modules[name]
-        return None, f"cannot import the reference model from {found}: {e!r}"
-    return module, str(found)
 
 
 def identity(event: Any) -> bytes:
@@ -193,7 +144,6 @@ def rule_of(kind: str) -> tuple[str, list[int] | None]:
 class Checker:
     """Runs the model beside the paths, one step at a time."""
 
-    reference: ModuleType
     world_size: int
     kinds: tuple[str, ...]
     models: list[Any] = field(default_factory=list)
@@ -203,7 +153,7 @@ class Checker:
         for kind in self.kinds:
             rule, factors = rule_of(kind)
             self.models.append(
-                self.reference.ReferenceMerger(
+                reference.ReferenceMerger(
                     self.world_size, rule, factors, MAX_PENDING_STEPS
                 )
             )
@@ -214,7 +164,7 @@ class Checker:
         for lane, (kind, model) in enumerate(zip(self.kinds, self.models, strict=True)):
             for rank in range(self.world_size):
                 model.add(rank, bench_children.reported(kind, step.events[lane][rank]))
-            out.append([self.reference.identity(e) for e in model.finish_step()])
+            out.append([reference.identity(e) for e in model.finish_step()])
         return out
 
     def compare(

@@ -110,18 +110,34 @@ def machine() -> dict[str, Any]:
         info["torch"] = torch.__version__
     except Exception:  # pragma: no cover
         pass
-    try:
-        import kvmerge
+    import kvmerge
 
-        root = os.path.dirname(os.path.dirname(os.path.dirname(kvmerge.__file__)))
-        rev = subprocess.run(
-            ["git", "-C", root, "describe", "--always", "--dirty"],
+    info["kvmerge"] = kvmerge.__version__
+    try:
+        # The commit, when this package is a kvmerge checkout's python/kvmerge
+        # (an editable install); an installed wheel has none.
+        here = os.path.dirname(os.path.realpath(kvmerge.__file__))
+        git = ["git", "-C", here]
+        top = subprocess.run(
+            [*git, "rev-parse", "--show-toplevel"],
             capture_output=True,
             text=True,
             timeout=5,
         )
-        if rev.returncode == 0:
-            info["kvmerge_commit"] = rev.stdout.strip()
+        checkout = (
+            top.returncode == 0
+            and os.path.realpath(os.path.join(top.stdout.strip(), "python", "kvmerge"))
+            == here
+        )
+        if checkout:
+            rev = subprocess.run(
+                [*git, "describe", "--always", "--dirty"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            if rev.returncode == 0:
+                info["kvmerge_commit"] = rev.stdout.strip()
     except Exception:  # pragma: no cover
         pass
     return info
@@ -140,7 +156,7 @@ def run_case(
     steps: int,
     warmup: int,
     seed: int,
-    reference: Any | None,
+    check: bool = True,
     check_limit: int,
     output: str = "raw",
     config: WorkloadConfig | None = None,
@@ -158,8 +174,8 @@ def run_case(
         "A": PathA(case.world_size, cfg.children),
         "B": PathB(case.world_size, cfg.children, output),
     }
-    checked = reference is not None and case.world_size * case.events <= check_limit
-    checker = Checker(reference, case.world_size, cfg.children) if checked else None
+    checked = check and case.world_size * case.events <= check_limit
+    checker = Checker(case.world_size, cfg.children) if checked else None
     records: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
     gc.collect()
     gc.freeze()
@@ -194,7 +210,7 @@ def run_case(
         result["check"] = {
             name: [d.as_dict() for d in diffs] for name, diffs in checker.diffs.items()
         }
-    elif reference is not None:
+    elif check:
         result["check_skipped"] = (
             f"world_size x events = {case.world_size * case.events} > check limit "
             f"{check_limit}"
