@@ -42,8 +42,9 @@ class OtherEvent(msgspec.Struct, tag=True):
     block_hashes: list[int]
 
 
-class MyRemoved(BlockRemoved, tag="BlockRemoved"):
-    pass
+class MyRemoved(BlockRemoved):
+    """Tagged "MyRemoved": a subclass tagged as its base would be accepted
+    (its extra fields travel verbatim, see docs/merge-rules.md)."""
 
 
 def nested(depth: int) -> list:
@@ -128,7 +129,7 @@ CASES: list[tuple[str, Callable[[], object]]] = [
         lambda: B([OtherEvent([1])]),
     ),
     (
-        "encode([MyRemoved([1], None)])  # a subclass",
+        "encode([MyRemoved([1], None)])  # a subclass with its own tag",
         lambda: B([MyRemoved(block_hashes=[1], medium=None)]),
     ),
     # -- encode: vLLM events with wrong field values

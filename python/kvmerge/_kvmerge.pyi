@@ -154,6 +154,9 @@ def encode(
 ) -> EventBatch:
     """Encode vLLM KV cache events into a batch (identities computed here).
 
+    Fields vLLM 0.33.0 does not have (a later vLLM's, or those of a subclass
+    tagged as its vLLM base) travel verbatim and take part in the identity.
+
     With `rank` and `world_size` (and the merger's `rule` and
     `replication_factors`), the bytes of the events other ranks are bound to
     carry are left out; every event's record stays.

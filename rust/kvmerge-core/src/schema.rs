@@ -2,6 +2,14 @@
 //! them (`tag=True`: a map whose `"type"` entry names the class, fields in
 //! declaration order, defaults omitted). Validating on the worker means a
 //! batch that reaches the scheduler always decodes.
+//!
+//! A key the schema does not know (a field a later vLLM added) is accepted
+//! as long as it is a string, appears once and holds one well-formed value:
+//! it stays in the event's bytes, so it travels verbatim and is part of the
+//! identity, and msgspec's decoders (which do not forbid unknown fields)
+//! skip it.
+
+use std::collections::HashSet;
 
 use crate::msgpack::{Marker, ReadError, Reader};
 
@@ -126,17 +134,15 @@ pub enum SchemaError {
     Malformed(ReadError),
     NotAnEvent(String),
     UnknownType(String),
-    UnknownField {
-        kind: EventKind,
-        field: String,
-    },
     MissingField {
         kind: EventKind,
         field: &'static str,
     },
+    /// A key twice in one event: a known field, the `"type"` tag, or a key
+    /// the schema does not know (msgspec never writes a key twice).
     DuplicateField {
         kind: EventKind,
-        field: &'static str,
+        field: String,
     },
     WrongType {
         kind: EventKind,
@@ -151,9 +157,6 @@ impl std::fmt::Display for SchemaError {
             SchemaError::Malformed(e) => write!(f, "malformed msgpack: {e}"),
             SchemaError::NotAnEvent(why) => write!(f, "not a KV cache event: {why}"),
             SchemaError::UnknownType(t) => write!(f, "unknown event type {t:?}"),
-            SchemaError::UnknownField { kind, field } => {
-                write!(f, "{} has no field {field:?}", kind.name())
-            }
             SchemaError::MissingField { kind, field } => {
                 write!(f, "{}.{field} is missing", kind.name())
             }
@@ -208,23 +211,26 @@ pub fn read_event(r: &mut Reader<'_>) -> Result<EventInfo, SchemaError> {
     let mut seen: u32 = 0;
     let mut group_idx = None;
     let mut next = 0;
+    // Keys the schema does not know, kept only once there is one.
+    let mut unknown: Option<HashSet<&[u8]>> = None;
     for _ in 1..n {
+        let at = r.pos();
         let name = r.read_str_bytes()?;
         // msgspec writes fields in declaration order: look from the one after
         // the last field first, so the usual search is one comparison.
-        let i = (0..schema.len())
+        let Some(i) = (0..schema.len())
             .map(|k| (next + k) % schema.len())
             .find(|&i| schema[i].name.as_bytes() == name)
-            .ok_or_else(|| SchemaError::UnknownField {
-                kind,
-                field: String::from_utf8_lossy(name).into(),
-            })?;
+        else {
+            skip_unknown(r, kind, name, at, &mut unknown)?;
+            continue;
+        };
         let field = &schema[i];
         next = i + 1;
         if seen & (1 << i) != 0 {
             return Err(SchemaError::DuplicateField {
                 kind,
-                field: field.name,
+                field: field.name.into(),
             });
         }
         seen |= 1 << i;
@@ -249,6 +255,28 @@ pub fn read_event(r: &mut Reader<'_>) -> Result<EventInfo, SchemaError> {
         });
     }
     Ok(EventInfo { kind, group_idx })
+}
+
+/// A field a later vLLM may have added: its name must be valid UTF-8 (as
+/// msgspec's decoder requires of a key), not the tag again and not seen
+/// before in this event, and its value one well-formed msgpack value
+/// (`skip_value` bounds its nesting and checks its lengths).
+fn skip_unknown<'a>(
+    r: &mut Reader<'a>,
+    kind: EventKind,
+    name: &'a [u8],
+    at: usize,
+    unknown: &mut Option<HashSet<&'a [u8]>>,
+) -> Result<(), SchemaError> {
+    let text = std::str::from_utf8(name).map_err(|_| ReadError::InvalidUtf8 { at })?;
+    if name == b"type" || !unknown.get_or_insert_with(HashSet::new).insert(name) {
+        return Err(SchemaError::DuplicateField {
+            kind,
+            field: text.into(),
+        });
+    }
+    r.skip_value()?;
+    Ok(())
 }
 
 fn read_str_value<'a>(r: &mut Reader<'a>) -> Result<&'a str, SchemaError> {
@@ -335,4 +363,201 @@ fn each(
         item(r).map_err(|e| format!("item {i}: {e}"))?;
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::testing::{clear, removed, stored, with_field, write_str};
+
+    fn read(e: &[u8]) -> Result<EventInfo, SchemaError> {
+        let mut r = Reader::new(e);
+        let info = read_event(&mut r)?;
+        assert!(r.is_empty(), "the event's span is all of its bytes");
+        Ok(info)
+    }
+
+    /// msgpack values a later field might hold.
+    const VALUES: &[&[u8]] = &[
+        &[0xc0],
+        &[0x07],
+        &[0xc3],
+        &[0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0],
+        &[0xa2, b'h', b'i'],
+        &[0xc4, 0x02, 0xff, 0x00],
+        &[0x92, 0x01, 0x91, 0xc0],
+        // {1: "x"}: keys inside a value may be anything msgpack allows.
+        &[0x81, 0x01, 0xa1, b'x'],
+        // fixext 1, and the timestamp extension (-1, 4 bytes).
+        &[0xd4, 0x05, 0x00],
+        &[0xd6, 0xff, 0, 0, 0, 1],
+    ];
+
+    #[test]
+    fn an_unknown_field_is_accepted_in_every_event_type() {
+        for v in VALUES {
+            for (base, kind, group) in [
+                (stored(1, Some(3)), EventKind::BlockStored, Some(3)),
+                (stored(1, None), EventKind::BlockStored, None),
+                (removed(2), EventKind::BlockRemoved, None),
+                (clear(), EventKind::AllBlocksCleared, None),
+            ] {
+                let e = with_field(&base, "future_field", v);
+                let info = read(&e).unwrap_or_else(|err| panic!("{v:?}: {err}"));
+                assert_eq!(
+                    info,
+                    EventInfo {
+                        kind,
+                        group_idx: group
+                    }
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_fields_anywhere_do_not_upset_the_known_ones() {
+        // {"type": "BlockRemoved", "a": 1, "block_hashes": [9], "b": nil,
+        //  "medium": nil, "group_idx": 4, "c": [1]}
+        let mut e = vec![0x87];
+        write_str(&mut e, "type");
+        write_str(&mut e, "BlockRemoved");
+        write_str(&mut e, "a");
+        e.push(0x01);
+        write_str(&mut e, "block_hashes");
+        e.extend_from_slice(&[0x91, 0x09]);
+        write_str(&mut e, "b");
+        e.push(0xc0);
+        write_str(&mut e, "medium");
+        e.push(0xc0);
+        write_str(&mut e, "group_idx");
+        e.push(0x04);
+        write_str(&mut e, "c");
+        e.extend_from_slice(&[0x91, 0x01]);
+        let info = read(&e).unwrap();
+        assert_eq!(info.kind, EventKind::BlockRemoved);
+        assert_eq!(info.group_idx, Some(4));
+    }
+
+    #[test]
+    fn only_malformed_events_are_refused() {
+        let base = removed(2);
+        let dup = |e: SchemaError| matches!(e, SchemaError::DuplicateField { .. });
+        let malformed = |e: SchemaError| matches!(e, SchemaError::Malformed(_));
+        let mut non_str_key = base.clone();
+        non_str_key[0] += 1;
+        non_str_key.extend_from_slice(&[0x01, 0x02]);
+        let mut bad_utf8_key = base.clone();
+        bad_utf8_key[0] += 1;
+        bad_utf8_key.extend_from_slice(&[0xa2, 0xff, 0xfe, 0x01]);
+        let twice = with_field(&with_field(&base, "x", &[1]), "x", &[2]);
+        type Check<'a> = &'a dyn Fn(SchemaError) -> bool;
+        let cases: Vec<(Vec<u8>, Check)> = vec![
+            (non_str_key, &malformed),
+            (bad_utf8_key, &malformed),
+            (twice, &dup),
+            (with_field(&base, "type", &[0xa1, b'x']), &dup),
+            (with_field(&base, "medium", &[0xc0]), &dup),
+            (with_field(&base, "x", &[0xc1]), &malformed),
+            (with_field(&base, "x", &[0x92, 0x01]), &malformed),
+            (with_field(&base, "x", &[0xa2, 0xff, 0xfe]), &malformed),
+            (with_field(&base, "x", &[0x91; 40]), &malformed),
+            (
+                with_field(&base, "x", &[0xdd, 0xff, 0xff, 0xff, 0xff]),
+                &malformed,
+            ),
+            (with_field(&base, "x", &[]), &malformed),
+            (with_field(&base, "group_idx", &[0xa1, b'0']), &|e| {
+                matches!(
+                    e,
+                    SchemaError::WrongType {
+                        field: "group_idx",
+                        ..
+                    }
+                )
+            }),
+        ];
+        for (i, (e, want)) in cases.into_iter().enumerate() {
+            let err = read(&e).expect_err(&format!("case {i} is refused"));
+            let text = err.to_string();
+            assert!(want(err), "case {i}: {text}");
+        }
+        // A required field is still required next to unknown ones:
+        // {"type": "BlockRemoved", "block_hashes": [1], "x": nil}
+        let mut e = vec![0x83];
+        write_str(&mut e, "type");
+        write_str(&mut e, "BlockRemoved");
+        write_str(&mut e, "block_hashes");
+        e.extend_from_slice(&[0x91, 0x01]);
+        write_str(&mut e, "x");
+        e.push(0xc0);
+        assert_eq!(
+            read(&e),
+            Err(SchemaError::MissingField {
+                kind: EventKind::BlockRemoved,
+                field: "medium"
+            })
+        );
+        assert_eq!(
+            read(&with_field(&base, "x", &[1])).unwrap().kind,
+            EventKind::BlockRemoved
+        );
+        let msg = read(&with_field(&with_field(&base, "x", &[1]), "x", &[1]))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(msg, "BlockRemoved.x appears twice");
+    }
+
+    /// A msgpack value of any shape, as bytes.
+    fn value() -> impl Strategy<Value = Vec<u8>> {
+        let leaf = prop_oneof![
+            Just(vec![0xc0]),
+            any::<u8>().prop_map(|b| vec![b & 0x7f]),
+            any::<i64>().prop_map(|v| {
+                let mut out = vec![0xd3];
+                out.extend_from_slice(&v.to_be_bytes());
+                out
+            }),
+            "[a-z]{0,5}".prop_map(|s| {
+                let mut out = Vec::new();
+                write_str(&mut out, &s);
+                out
+            }),
+            prop::collection::vec(any::<u8>(), 0..4).prop_map(|b| {
+                let mut out = vec![0xc4, b.len() as u8];
+                out.extend_from_slice(&b);
+                out
+            }),
+        ];
+        leaf.prop_recursive(3, 12, 4, |inner| {
+            prop::collection::vec(inner, 0..4).prop_map(|items| {
+                let mut out = vec![0x90 | items.len() as u8];
+                items.iter().for_each(|i| out.extend_from_slice(i));
+                out
+            })
+        })
+    }
+
+    proptest! {
+        /// Any well-formed extra field keeps the event valid with its kind
+        /// and group; cut short anywhere, the event is refused.
+        #[test]
+        fn any_extra_field_is_skipped_exactly(
+            which in 0usize..4,
+            name in "[a-z_]{1,12}",
+            v in value(),
+        ) {
+            let base = [stored(1, Some(2)), stored(3, None), removed(4), clear()][which].clone();
+            prop_assume!(!BLOCK_STORED.iter().any(|f| f.name == name) && name != "type");
+            let want = read(&base).unwrap();
+            let e = with_field(&base, &name, &v);
+            prop_assert_eq!(read(&e).unwrap(), want);
+            for cut in base.len()..e.len() {
+                let mut r = Reader::new(&e[..cut]);
+                prop_assert!(read_event(&mut r).is_err());
+            }
+        }
+    }
 }

@@ -107,3 +107,17 @@ pub fn payload(events: &[Ev]) -> Vec<u8> {
 pub fn batch(events: &[Ev]) -> Batch {
     Batch::encode(&payload(events)).expect("test events are well formed")
 }
+
+/// `e` with one more key, `name`, holding the msgpack value `value` (bytes
+/// as written): a field a later vLLM may add. `e` must have a fixmap header.
+pub fn with_field(e: &[u8], name: &str, value: &[u8]) -> Ev {
+    assert!(
+        e[0] & 0xf0 == 0x80 && e[0] & 0x0f < 15,
+        "a fixmap with room"
+    );
+    let mut out = vec![e[0] + 1];
+    out.extend_from_slice(&e[1..]);
+    write_str(&mut out, name);
+    out.extend_from_slice(value);
+    out
+}

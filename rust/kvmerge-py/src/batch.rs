@@ -402,7 +402,8 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 /// Encode vLLM KV cache events into a batch (identities computed here).
 /// Given `rank` and `world_size` (and the merger's `rule` and
 /// `replication_factors`), the bytes of events this rank need not carry are
-/// left out: every rank still reports every event.
+/// left out: every rank still reports every event. Fields vLLM 0.33.0 does
+/// not have (a later vLLM's, a subclass's tagged as its base) travel verbatim.
 #[pyfunction]
 #[pyo3(signature = (events, *, rank = None, world_size = None, rule = "all", replication_factors = None))]
 pub fn encode(
@@ -470,16 +471,12 @@ pub fn encode(
     };
     let types = s.event_types.bind(py);
     for (i, ev) in list.iter().enumerate() {
-        // Exact classes: a subclass could carry fields the schema doesn't know.
         let ty = ev.get_type();
-        let Some(kind) = types.iter().position(|t| t.is(&ty)) else {
-            return Err(invalid_event(
-                py,
-                format!(
-                    "event {i}: expected BlockStored, BlockRemoved or AllBlocksCleared, got {}",
-                    type_name(&ev)
-                ),
-            ));
+        // vLLM's own classes first: the check every event takes.
+        let kind = match types.iter().position(|t| t.is(&ty)) {
+            Some(kind) => kind,
+            None => subclass_kind(&ev, types)
+                .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?,
         };
         check_containers(&ev, kind)
             .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?;
@@ -502,6 +499,43 @@ pub fn encode(
     let carrier = carrier.as_ref().map(|(cfg, r)| (cfg, *r));
     let batch = without_gil(py, || Batch::encode_for(bytes, carrier)).map_err(PyKvError::from)?;
     Ok(PyEventBatch::new(Arc::new(batch)))
+}
+
+/// The position in `EVENT_TYPES` of the vLLM class `ev`'s class derives
+/// from, if it encodes as that class does (same tag in the same field).
+/// Fields such a subclass adds are fields vLLM 0.33.0 does not know: the
+/// core lets them travel verbatim, as it does a later vLLM's new fields.
+fn subclass_kind(ev: &Bound<'_, PyAny>, types: &Bound<'_, PyTuple>) -> Result<usize, String> {
+    const NAMES: [&str; 3] = ["BlockStored", "BlockRemoved", "AllBlocksCleared"];
+    let ty = ev.get_type();
+    let Some((kind, base)) = types
+        .iter()
+        .enumerate()
+        .find(|(_, t)| ty.is_subclass(t).unwrap_or(false))
+    else {
+        return Err(format!(
+            "expected BlockStored, BlockRemoved or AllBlocksCleared, got {}",
+            type_name(ev)
+        ));
+    };
+    let tagging = |t: &Bound<'_, PyAny>| -> Option<(String, String)> {
+        let config = t.getattr("__struct_config__").ok()?;
+        let tag = config.getattr("tag").ok()?.str().ok()?.to_string();
+        let field = config.getattr("tag_field").ok()?.str().ok()?.to_string();
+        Some((tag, field))
+    };
+    let (want, got) = (tagging(&base), tagging(ty.as_any()));
+    if want.is_none() || want != got {
+        let (tag, field) = got.unwrap_or_default();
+        return Err(format!(
+            "{} derives from {} but is tagged {tag:?} in field {field:?}: a subclass \
+             must encode as its base (tag={:?})",
+            type_name(ev),
+            NAMES[kind],
+            NAMES[kind],
+        ));
+    }
+    Ok(kind)
 }
 
 /// msgpack writes a list, a tuple or a set alike, and msgspec decodes each as

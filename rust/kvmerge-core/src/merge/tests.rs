@@ -3,7 +3,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 
 use super::*;
-use crate::testing::{batch, clear, payload, removed, stored, Ev};
+use crate::testing::{batch, clear, payload, removed, stored, with_field, Ev};
 
 fn merger(w: usize, rule: Rule, factors: Option<Vec<u32>>, pending: u64) -> Merger {
     Merger::new(MergerConfig {
@@ -270,6 +270,8 @@ fn step_events(reports: &[Option<Vec<u8>>], r: usize) -> Option<Vec<Ev>> {
                 0 => clear(),
                 1 => stored(1, Some(1)),
                 2 => stored(2, Some(0)),
+                // A field vLLM 0.33.0 does not have: it travels verbatim.
+                5 => with_field(&removed(5), "future", &[0x92, 0x01, 0xa1, b'x']),
                 h => removed(h),
             })
             .collect()
@@ -372,6 +374,57 @@ proptest! {
             prop_assert_eq!(full.stats(), lean.stats());
         }
     }
+}
+
+/// Events with fields the schema does not know (a later vLLM's) merge by
+/// their whole bytes and are published verbatim, under every rule, on both
+/// paths, with every byte present or left to the carriers.
+#[test]
+fn unknown_fields_travel_verbatim_and_take_part_in_the_identity() {
+    let future = |e: Ev| with_field(&e, "future_field", &[0x92, 0x07, 0xc0]);
+    let seq = vec![
+        future(stored(1, Some(0))),
+        future(removed(2)),
+        future(clear()),
+        future(stored(3, None)),
+    ];
+    let plain = batch(&[stored(1, Some(0)), removed(2), clear(), stored(3, None)]);
+    let ours = batch(&seq);
+    for (i, e) in seq.iter().enumerate() {
+        assert_ne!(ours.identity(i), plain.identity(i));
+        assert_eq!(ours.event_bytes(i), Some(&e[..]));
+    }
+    for rule in [Rule::All, Rule::Quorum, Rule::Any] {
+        let factors = (rule == Rule::Quorum).then(|| vec![2]);
+        for general in [false, true] {
+            for lean in [false, true] {
+                let mut m = merger(4, rule, factors.clone(), 1);
+                let cfg = m.config().clone();
+                for r in 0..4 {
+                    let b = if lean {
+                        Batch::encode_for(&payload(&seq), Some((&cfg, r))).unwrap()
+                    } else {
+                        batch(&seq)
+                    };
+                    m.add(r as i64, Arc::new(b)).unwrap();
+                }
+                let out = if general {
+                    m.finish_step_general()
+                } else {
+                    m.finish_step()
+                };
+                assert_eq!(out.payload(), ours.payload(), "{rule:?} {general} {lean}");
+                assert_eq!(ids(&out), ids(&ours));
+            }
+        }
+    }
+    // The same event without the field is another event: under "all" it
+    // does not complete the one with it.
+    let mut m = merger(2, Rule::All, None, 0);
+    m.add(0, Arc::new(batch(&[future(removed(2))]))).unwrap();
+    m.add(1, Arc::new(batch(&[removed(2)]))).unwrap();
+    assert!(m.finish_step().is_empty());
+    assert_eq!(m.stats().expired, 2);
 }
 
 #[test]
