@@ -20,6 +20,18 @@ import kvmerge
 HERE = Path(__file__).resolve().parent
 
 
+class FutureStored(BlockStored, tag="BlockStored"):
+    """A later vLLM's store, with fields vLLM 0.33.0 does not have: they
+    travel verbatim (docs/merge-rules.md)."""
+
+    priority: int | None = None
+    tier_hints: dict[str, list[int]] | None = None
+
+
+class FutureRemoved(BlockRemoved, tag="BlockRemoved"):
+    reason: str | None = None
+
+
 def stored(h, **fields):
     base = dict(
         block_hashes=[h],
@@ -75,6 +87,21 @@ EVENT_LISTS = {
     # 16 and more events: the payload's array header is no longer a fixarray.
     "sixteen": [stored(i, group_idx=i % 2) for i in range(16)],
     "long_tokens": [stored(4, token_ids=list(range(300)))],
+    "future_fields": [
+        FutureStored(
+            block_hashes=[5],
+            parent_block_hash=None,
+            token_ids=[1, 2],
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=0,
+            priority=3,
+            tier_hints={"ssd": [1, 2]},
+        ),
+        FutureRemoved(block_hashes=[5], medium=None, reason="evicted"),
+    ],
 }
 
 # Payloads that are not event lists. Found by the fuzzer (docs/robustness.md,
