@@ -21,6 +21,8 @@ from kvmerge.bench.runner import Case, run_case
 from kvmerge.bench.transport import OOB_THRESHOLD, dequeue, enqueue
 from kvmerge.bench.workload import Workload, WorkloadConfig, preset
 
+pytestmark = pytest.mark.vllm
+
 ENC = msgspec.msgpack.Encoder()
 
 

@@ -76,7 +76,7 @@ from kvmerge.testing.reference import (  # noqa: E402
 from kvmerge.vllm import KVMergeKVEvents, register  # noqa: E402
 
 # A hang guard: the module takes well under two minutes on an idle 2-core box.
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
 TP = 4
 FACTORS = [1, 2]

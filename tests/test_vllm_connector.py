@@ -42,6 +42,8 @@ from kvmerge.vllm import KVMergeKVEvents, KVMergeMultiConnector, register
 from kvmerge.vllm.container import WorkerReports
 from kvmerge.vllm.topology import aggregated_world_size, worker_rank
 
+pytestmark = pytest.mark.vllm
+
 SCHEDULER = KVConnectorRole.SCHEDULER
 WORKER = KVConnectorRole.WORKER
 
