@@ -1,7 +1,10 @@
 """``kvmerge subscribe``: options; ``EventSubscriber`` against a real
 ``ZmqEventPublisher`` (gaps filled from its replay socket, or counted missing);
 and the command reading ``kvmerge demo``'s publisher (the run is shared with
-test_cli_demo: one demo, the subscriber started next to it)."""
+test_cli_demo: one demo, the subscriber started next to it). The command
+decodes with ``kvmerge.events`` (never importing vLLM or torch) and gives up
+when nothing arrives; those structs are checked against the installed vLLM's:
+same definitions, the same bytes both ways, unknown fields skipped."""
 
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from collections import Counter
 
 import msgspec
 import pytest
+import strategies
+from hypothesis import given
+from hypothesis import strategies as st
 from test_cli_demo import CONNECTORS, demo_with_subscriber, lane_table, number
 
 pytestmark = pytest.mark.vllm
@@ -56,6 +62,7 @@ def test_subscribe_help_explains_every_option():
         "--show-events",
         "--plain",
         "--interval",
+        "--first-batch-timeout",
         "exit status",
     ):
         assert option in proc.stdout, option
@@ -69,6 +76,10 @@ def test_subscribe_help_explains_every_option():
         (["ipc:///tmp/x", "--duration", "0"], "--duration: must be > 0"),
         (["ipc:///tmp/x", "--batches", "-3"], "--batches: must be >= 1"),
         (["ipc:///tmp/x", "--history"], "--history needs --replay"),
+        (
+            ["ipc:///tmp/x", "--first-batch-timeout", "-1"],
+            "--first-batch-timeout: must be >= 0",
+        ),
     ],
 )
 def test_bad_options_exit_2_with_a_one_line_error(args, message):
@@ -278,3 +289,329 @@ def test_subscribe_writes_the_stream_as_json_lines():
         store
     )
     assert store["medium"] in MEDIUM.values()
+
+
+# --- the command on its own: no vLLM, and a timeout for the first batch ---------
+#: ``python -c WATCHED subscribe ...`` runs ``python -m kvmerge subscribe ...``
+#: and prints, at exit, the vLLM and torch modules it imported.
+WATCHED = """\
+import atexit, runpy, sys
+atexit.register(lambda: print("heavy modules:", sorted(
+    m for m in sys.modules if m.split(".")[0] in ("vllm", "torch")
+), "kvmerge.events" in sys.modules, file=sys.stderr))
+sys.argv = ["kvmerge", *sys.argv[1:]]
+runpy.run_module("kvmerge", run_name="__main__", alter_sys=True)
+"""
+NO_HEAVY_MODULES = "heavy modules: [] True"
+
+
+def watched(*args: str, **kwargs) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", WATCHED, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        **kwargs,
+    )
+
+
+def test_the_command_reads_vllms_publisher_without_importing_vllm(publisher, tmp_path):
+    """A fresh interpreter reads a real ZmqEventPublisher (history from the
+    replay socket, then live batches) and writes what vLLM's classes encode as
+    JSON, having imported neither vLLM nor torch."""
+    from kvmerge.subscribe import EventSubscriber
+
+    pub = publisher()
+    sent = batches(6)
+    for b in sent[:3]:
+        pub.publish(b)
+    cfg = pub.get_publisher_config()
+    probe = EventSubscriber(cfg.endpoint, replay_endpoint=cfg.replay_endpoint)
+    try:
+        wait_replayable(probe, 2)
+    finally:
+        probe.close()
+    jsonl = tmp_path / "stream.jsonl"
+    proc = watched(
+        "subscribe",
+        cfg.endpoint,
+        "--replay",
+        cfg.replay_endpoint,
+        "--topic",
+        "kv",
+        "--history",
+        "--batches",
+        "6",
+        "--duration",
+        "60",
+        "--jsonl",
+        str(jsonl),
+        "--plain",
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("subscribed to "), first
+        time.sleep(0.5)  # the subscription takes effect; a late one is replayed
+        for b in sent[3:]:
+            pub.publish(b)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = first + out
+    assert proc.returncode == 0, out + err
+    assert NO_HEAVY_MODULES in err, err
+    assert re.search(
+        r"^summary after [\d.]+s: batches 6, events 12, seq 0\.\.5, gaps \d+, "
+        r"replayed \d+, missing 0(, repeated \d+)?$",
+        out,
+        re.M,
+    ), out
+    assert re.search(r"^  BlockStored\s+CPU\s+6$", out, re.M), out
+    assert re.search(r"^  BlockRemoved\s+GPU\s+6$", out, re.M), out
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [line["seq"] for line in lines] == list(range(6))
+    assert [line["ts"] for line in lines] == [b.ts for b in sent]
+    assert [line["data_parallel_rank"] for line in lines] == [0] * 6
+    assert [line["events"] for line in lines] == [
+        json.loads(msgspec.json.encode(b.events)) for b in sent
+    ]
+
+
+def test_nothing_arriving_exits_1_after_the_first_batch_timeout(tmp_path):
+    start = time.monotonic()
+    proc = watched(
+        "subscribe", f"ipc://{tmp_path}/nobody", "--first-batch-timeout", "0.5"
+    )
+    out, err = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, out + err
+    # Interpreter start-up (no vLLM) plus one 100 ms poll, on a busy machine.
+    assert 0.5 <= elapsed < 0.5 + 5, elapsed
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
+    assert f"no batch arrived within 0.5s from ipc://{tmp_path}/nobody" in errors[0]
+    assert "summary after" in out and "batches 0" in out
+    assert NO_HEAVY_MODULES in err, err
+
+
+def test_a_first_batch_timeout_of_0_waits_and_a_quiet_run_still_exits_0(tmp_path):
+    proc = watched(
+        "subscribe",
+        f"ipc://{tmp_path}/nobody",
+        "--first-batch-timeout",
+        "0",
+        "--duration",
+        "1",
+    )
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out + err
+    assert "error:" not in err and NO_HEAVY_MODULES in err, err
+
+
+# --- kvmerge.events: vLLM's structs, copied -------------------------------------
+STRUCTS = (
+    "EventBatch",
+    "KVCacheEvent",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "KVEventBatch",
+)
+
+
+def _config(cls: type) -> dict:
+    cfg = cls.__struct_config__  # type: ignore[attr-defined]
+    return {a: getattr(cfg, a) for a in dir(cfg) if not a.startswith("_")}
+
+
+def test_kvmerge_events_are_the_installed_vllms_structs():
+    import vllm.distributed.kv_events as theirs
+
+    import kvmerge.events as ours
+
+    def type_text(tp: object, module: object) -> str:
+        return str(tp).replace(f"{module.__name__}.", "")
+
+    for name in STRUCTS:
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert _config(a) == _config(b), name
+        assert [base.__name__ for base in a.__mro__] == [
+            base.__name__ for base in b.__mro__
+        ], name
+        fa, fb = msgspec.structs.fields(a), msgspec.structs.fields(b)
+        assert [
+            (f.name, f.encode_name, f.required, f.default, f.default_factory)
+            for f in fa
+        ] == [
+            (f.name, f.encode_name, f.required, f.default, f.default_factory)
+            for f in fb
+        ], name
+        assert [type_text(f.type, ours) for f in fa] == [
+            type_text(f.type, theirs) for f in fb
+        ], name
+    # Every event type vLLM has is copied.
+    events = {
+        n
+        for n, c in vars(theirs).items()
+        if isinstance(c, type) and issubclass(c, theirs.KVCacheEvent)
+    }
+    assert events == {"KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared"}
+    assert ours.MEDIUM_GPU == theirs.MEDIUM_GPU
+    assert ours.MEDIUM_CPU == theirs.MEDIUM_CPU
+    assert ours.MEDIUM_STORAGE == theirs.MEDIUM_STORAGE
+
+
+def _fields(events: list) -> list[tuple[str, dict]]:
+    return [(type(e).__name__, msgspec.structs.asdict(e)) for e in events]
+
+
+def _round_trip(vllm_batch) -> None:
+    """vLLM's batch, encoded as ZmqEventPublisher does, decodes with kvmerge's
+    structs to the same fields, and encodes back to the same bytes."""
+    from vllm.distributed.kv_events import KVEventBatch as VLLMBatch
+
+    import kvmerge.events as ours
+
+    data = msgspec.msgpack.Encoder().encode(vllm_batch)
+    got = msgspec.msgpack.Decoder(ours.KVEventBatch).decode(data)
+    assert type(got) is ours.KVEventBatch
+    assert (got.ts, got.data_parallel_rank) == (
+        vllm_batch.ts,
+        vllm_batch.data_parallel_rank,
+    )
+    assert _fields(got.events) == _fields(vllm_batch.events)
+    assert all(type(e).__module__ == "kvmerge.events" for e in got.events)
+    # The other way round: kvmerge's structs encode what vLLM decodes.
+    again = msgspec.msgpack.encode(got)
+    assert again == data
+    assert msgspec.msgpack.Decoder(VLLMBatch).decode(again) == vllm_batch
+    # And as JSON lines (kvmerge subscribe --jsonl) they are vLLM's JSON.
+    assert msgspec.json.encode(got.events) == msgspec.json.encode(vllm_batch.events)
+
+
+def test_every_field_round_trips_between_vllm_and_kvmerge():
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
+
+    stored = BlockStored(
+        block_hashes=[2**64 - 1, b"\x00hash", -(2**63)],
+        parent_block_hash=b"parent",
+        token_ids=[1, 2, 3, 4],
+        block_size=16,
+        lora_id=3,
+        medium="CPU",
+        lora_name="adapter",
+        extra_keys=[("adapter", "salt"), None, (b"digest", 7)],
+        group_idx=1,
+        kv_cache_spec_kind="sliding",
+        kv_cache_spec_sliding_window=4096,
+        locality="REMOTE",
+        ownership="tier-2",
+        session_id="session-1",
+        lookahead_token_ids=[[5], [], [6, 7]],
+    )
+    assert all(v is not None for v in msgspec.structs.asdict(stored).values())
+    removed = BlockRemoved(
+        block_hashes=[7, b"h"],
+        medium="GPU",
+        group_idx=2,
+        locality="LOCAL",
+        ownership="tier-1",
+    )
+    assert all(v is not None for v in msgspec.structs.asdict(removed).values())
+    _round_trip(
+        KVEventBatch(
+            ts=1234.5,
+            events=[stored, removed, AllBlocksCleared()],
+            data_parallel_rank=3,
+        )
+    )
+    # Defaults left out (omit_defaults), and no rank.
+    _round_trip(
+        KVEventBatch(
+            ts=0.0,
+            events=[
+                BlockStored(
+                    block_hashes=[1],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=1,
+                    lora_id=None,
+                    medium=None,
+                    lora_name=None,
+                ),
+                BlockRemoved(block_hashes=[], medium=None),
+            ],
+        )
+    )
+
+
+@given(
+    events=st.lists(strategies.events(), max_size=6),
+    ts=st.floats(allow_nan=False),
+    rank=st.none() | st.integers(0, 2**31),
+)
+def test_any_batch_round_trips_between_vllm_and_kvmerge(events, ts, rank):
+    from vllm.distributed.kv_events import KVEventBatch
+
+    _round_trip(KVEventBatch(ts=ts, events=events, data_parallel_rank=rank))
+
+
+def test_fields_a_newer_vllm_adds_are_skipped():
+    """Unknown fields, in an event (a map) or after the batch's (an array),
+    are skipped: by kvmerge's structs exactly as by vLLM's."""
+    from vllm.distributed.kv_events import KVEventBatch as VLLMBatch
+
+    import kvmerge.events as ours
+
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1, b"h"],
+        "a_future_field": {"nested": [1, 2]},
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+        "another_one": "x",
+    }
+    payload = msgspec.msgpack.encode(
+        [
+            2.5,
+            [
+                stored,
+                {"type": "BlockRemoved", "block_hashes": [3], "medium": None, "x": 1},
+                {"type": "AllBlocksCleared", "reason": "reset"},
+            ],
+            1,
+            "a future batch field",
+        ]
+    )
+    got = msgspec.msgpack.Decoder(ours.KVEventBatch).decode(payload)
+    theirs = msgspec.msgpack.Decoder(VLLMBatch).decode(payload)
+    assert (got.ts, got.data_parallel_rank) == (theirs.ts, theirs.data_parallel_rank)
+    assert _fields(got.events) == _fields(theirs.events)
+    assert got.events == [
+        ours.BlockStored(
+            block_hashes=[1, b"h"],
+            parent_block_hash=None,
+            token_ids=[1, 2],
+            block_size=2,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=0,
+        ),
+        ours.BlockRemoved(block_hashes=[3], medium=None),
+        ours.AllBlocksCleared(),
+    ]

@@ -6,10 +6,14 @@ every ``(topic, seq, payload)`` message as a ``KVEventBatch``, and shows the
 rates per event type and medium. Sequence numbers are checked: on a gap it asks
 the publisher's replay socket (``--replay``) for the missing batches, and says
 which ones it could not get. ``--jsonl FILE`` writes the stream, one batch per
-line.
+line. Nothing arriving within ``--first-batch-timeout`` seconds is an error.
+
+The command decodes with ``kvmerge.events`` (a copy of vLLM's msgspec structs):
+it imports neither vLLM nor torch, and is connected within a fraction of a
+second.
 
 ``EventSubscriber`` is the reusable part (``kvmerge demo`` reads its own
-stream with it).
+stream with it, decoding into vLLM's own classes).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class Received(NamedTuple):
     seq: int
     topic: bytes
-    batch: Any  # vLLM's KVEventBatch
+    batch: Any  # a KVEventBatch: vLLM's, or kvmerge.events' (batch_type)
     replayed: bool
 
 
@@ -65,11 +69,15 @@ def event_kind(event: Any) -> tuple[str, str]:
     return type(event).__name__, medium if medium is not None else "-"
 
 
-def _decoder() -> Any:
+def _decoder(batch_type: type | None = None) -> Any:
+    """A msgpack decoder of ``batch_type``; None: vLLM's ``KVEventBatch``."""
     import msgspec
-    from vllm.distributed.kv_events import KVEventBatch
 
-    return msgspec.msgpack.Decoder(KVEventBatch)
+    if batch_type is None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        batch_type = KVEventBatch
+    return msgspec.msgpack.Decoder(batch_type)
 
 
 class EventSubscriber:
@@ -78,8 +86,11 @@ class EventSubscriber:
     ``receive(timeout_ms)`` returns the batches that arrived, in sequence
     order; when a sequence number jumps, the missing batches are requested from
     the replay endpoint (if any) and returned first, marked ``replayed``.
-    Decoding needs vLLM's ``KVEventBatch``: the first decode imports vLLM
-    (the socket is connected at once, so nothing is lost meanwhile).
+
+    ``batch_type`` is what payloads are decoded into: by default vLLM's
+    ``KVEventBatch``, imported by the first decode (the socket is connected at
+    once, so nothing is lost meanwhile); ``kvmerge.events.KVEventBatch``
+    decodes the same stream into kvmerge's copies, without importing vLLM.
     """
 
     def __init__(
@@ -92,6 +103,7 @@ class EventSubscriber:
         replay_timeout: float = 2.0,
         context: Any = None,
         from_seq: int | None = None,
+        batch_type: type | None = None,
     ) -> None:
         import zmq
 
@@ -114,6 +126,7 @@ class EventSubscriber:
             self.sub.connect(endpoint)
         self._replay: Any = None
         self._decode: Callable[[bytes], Any] | None = None
+        self._batch_type = batch_type
         #: The next sequence number expected (None: whatever comes first).
         #: A reader that must see the stream from its start passes
         #: ``from_seq=0``: batches published before its subscription took
@@ -127,7 +140,7 @@ class EventSubscriber:
     # --- decoding ----------------------------------------------------------------
     def load_decoder(self) -> None:
         if self._decode is None:
-            self._decode = _decoder().decode
+            self._decode = _decoder(self._batch_type).decode
 
     def _deliver(self, topic: bytes, seq: int, payload: bytes, replayed: bool) -> Any:
         self.load_decoder()
@@ -341,6 +354,10 @@ def _missing_text(stats: Stats) -> str:
 
 
 # --- the command ----------------------------------------------------------------
+#: --first-batch-timeout's default, in seconds.
+FIRST_BATCH_TIMEOUT = 60.0
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -348,6 +365,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
     return value
 
 
@@ -378,8 +405,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         "exit status: 0 the stream was complete, 1 batches were missing or could "
-        "not be decoded, 2 bad options, 130 interrupted (Ctrl-C ends a run "
-        "without --duration/--batches/--idle)"
+        "not be decoded, or nothing arrived within --first-batch-timeout, 2 bad "
+        "options, 130 interrupted (Ctrl-C ends a run without "
+        "--duration/--batches/--idle)"
     )
     parser.add_argument(
         "endpoint",
@@ -444,6 +472,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop once no batch arrived for this many seconds (counted from "
         "the first batch)",
+    )
+    parser.add_argument(
+        "--first-batch-timeout",
+        metavar="SECONDS",
+        type=_nonnegative_float,
+        default=FIRST_BATCH_TIMEOUT,
+        help="exit 1 if no batch arrived this many seconds after the start "
+        f"(default {FIRST_BATCH_TIMEOUT:g}; 0 waits for ever, e.g. for a server "
+        "that is idle: vLLM publishes a batch only when there are events)",
     )
     parser.add_argument(
         "--show-events",
@@ -531,12 +568,15 @@ def run(args: argparse.Namespace) -> int:
             raise KeyboardInterrupt
         interrupted = True
 
+    from kvmerge.events import KVEventBatch
+
     try:
         sub = EventSubscriber(
             args.endpoint,
             topic=args.topic,
             replay_endpoint=args.replay,
             bind=args.bind,
+            batch_type=KVEventBatch,
         )
     except Exception as e:  # zmq.ZMQError: a bad or busy endpoint
         print(f"kvmerge subscribe: error: {args.endpoint}: {e}", file=sys.stderr)
@@ -557,6 +597,8 @@ def run(args: argparse.Namespace) -> int:
     last_show = last_line = start
     shown = -1
     stats = sub.stats
+    first_batch_timeout = getattr(args, "first_batch_timeout", FIRST_BATCH_TIMEOUT)
+    timed_out = False
 
     def handle(batches: Iterable[Received]) -> None:
         nonlocal last_batch
@@ -570,8 +612,16 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{received.seq}{tag} {event}")
 
     def done() -> bool:
+        nonlocal timed_out
         now = time.monotonic()
         if interrupted:
+            return True
+        if (
+            first_batch_timeout
+            and not (stats.batches or stats.decode_errors)
+            and now - start >= first_batch_timeout
+        ):
+            timed_out = True
             return True
         if args.duration is not None and now - start >= args.duration:
             return True
@@ -585,7 +635,7 @@ def run(args: argparse.Namespace) -> int:
 
     live = None
     try:
-        sub.load_decoder()  # imports vLLM; the socket is already buffering
+        sub.load_decoder()
         if args.history:
             handle(sub.fetch_history())
         if live_view:
@@ -641,4 +691,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {stats.batches} batches to {args.jsonl}")
     if interrupted:
         return 130
+    if timed_out:
+        print(
+            f"kvmerge subscribe: error: no batch arrived within "
+            f"{first_batch_timeout:g}s from {where}, topic {args.topic or '(all)'} "
+            "(is the publisher running, with this endpoint and topic? "
+            "--first-batch-timeout 0 waits for ever)",
+            file=sys.stderr,
+        )
+        return 1
     return 1 if stats.missing or stats.decode_errors else 0
