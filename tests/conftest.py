@@ -5,8 +5,10 @@ two-core machine; "dev" is quicker still, "thorough" is for hunting bugs.
 Deadlines are off: the first call of a test imports vLLM and torch.
 """
 
+import logging
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 _common = dict(
@@ -17,3 +19,22 @@ settings.register_profile("ci", max_examples=150, **_common)
 settings.register_profile("dev", max_examples=30, **_common)
 settings.register_profile("thorough", max_examples=2000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def vllm_caplog(caplog):
+    """caplog for the plugin's loggers (``vllm.kvmerge.*``), whether or not
+    vLLM's logging setup ran in this process: it stops the ``vllm`` logger
+    propagating to the root logger, where caplog listens. The records reach
+    caplog's handler straight from ``vllm.kvmerge``, once."""
+    logger = logging.getLogger("vllm.kvmerge")
+    saved = logger.level, logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]

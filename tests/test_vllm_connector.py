@@ -573,18 +573,19 @@ def test_world_and_rank_under_the_external_launcher():
     assert worker_rank(cfg) == 0 and aggregated_world_size(cfg) == 1
 
 
-def test_worker_loss_is_logged_once_per_incident(bus, caplog):
+def test_worker_loss_is_logged_once_per_incident(bus, vllm_caplog):
     """A rank silent for three steps makes the other rank's reports expire step
     after step: one warning when it starts, one line when it is over."""
     c = Cluster([child("LMCacheChild")], bus, tp=2, max_pending_steps=1)
-    caplog.set_level(logging.WARNING, logger="kvmerge.vllm")
     for step in range(10):
         lost = 1 <= step <= 3  # rank 1's worker is gone for steps 1-3
         for r in (0,) if lost else (0, 1):
             c.emit(r, 0, [stored(step)])
         c.bus.publish(c.schedule(c.aggregate(ranks=[0] if lost else [0, 1])))
     lines = [
-        r.getMessage() for r in caplog.records if r.name.startswith("kvmerge.vllm")
+        r.getMessage()
+        for r in vllm_caplog.records
+        if r.name.startswith("vllm.kvmerge") and r.levelno >= logging.WARNING
     ]
     assert len(lines) == 2, lines
     assert "step 1: rank(s) [1] sent no output" in lines[0]

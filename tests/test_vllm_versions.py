@@ -3,7 +3,6 @@ and the plugin warns once when it runs on another one."""
 
 from __future__ import annotations
 
-import logging
 import tomllib
 from pathlib import Path
 
@@ -54,10 +53,9 @@ def test_the_range_admits_exactly_the_tested_minor_releases():
     assert not spec.contains(f"{high_major + 1}.0.0")
 
 
-def test_the_running_vllm_is_supported_and_no_warning_is_logged(caplog):
-    with caplog.at_level(logging.WARNING):
-        assert versions.warn_if_unsupported()
-    assert not [r for r in caplog.records if "outside" in r.getMessage()]
+def test_the_running_vllm_is_supported_and_no_warning_is_logged(vllm_caplog):
+    assert versions.warn_if_unsupported()
+    assert not [r for r in vllm_caplog.records if "outside" in r.getMessage()]
     assert versions.installed_vllm() in supported_releases()
 
 
@@ -79,13 +77,12 @@ def test_which_releases_count_as_supported(version, supported):
     assert versions.is_supported(version, declared_range()) is supported
 
 
-def test_an_unsupported_vllm_gets_one_clear_warning(monkeypatch, caplog):
+def test_an_unsupported_vllm_gets_one_clear_warning(monkeypatch, vllm_caplog):
     monkeypatch.setattr(versions, "installed_vllm", lambda: "0.35.0")
     monkeypatch.setattr(versions, "_warned", False)
-    with caplog.at_level(logging.WARNING):
-        assert versions.warn_if_unsupported() is False
-        assert versions.warn_if_unsupported() is False
-    (record,) = [r for r in caplog.records if "outside" in r.getMessage()]
+    assert versions.warn_if_unsupported() is False
+    assert versions.warn_if_unsupported() is False
+    (record,) = [r for r in vllm_caplog.records if "outside" in r.getMessage()]
     message = record.getMessage()
     assert "vLLM 0.35.0" in message
     assert str(declared_range()) in message

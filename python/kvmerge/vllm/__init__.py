@@ -16,8 +16,9 @@ stays cheap to import: the connector and container classes load on first use.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
+
+from .log import get_logger
 
 if TYPE_CHECKING:
     from .connector import KVMergeMultiConnector
@@ -36,7 +37,7 @@ __all__ = [
 
 CONNECTOR_NAME = "KVMergeMultiConnector"
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # name -> (submodule, attribute)
 _LAZY = {

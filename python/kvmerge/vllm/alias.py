@@ -24,13 +24,13 @@ vLLM derives from each name, and leaves vLLM alone where they already agree
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, Final
 
 from . import CONNECTOR_NAME
+from .log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 UPSTREAM_NAME: Final = "MultiConnector"
 #: This package, whose ``MultiConnector`` is ``KVMergeMultiConnector``.

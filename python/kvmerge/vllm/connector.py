@@ -27,7 +27,6 @@ connector's extra config says ``"kv_events_output": "objects"``.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,7 @@ from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError
 from .alias import MODULE_PATH, UPSTREAM_NAME
 from .container import KVMergeKVEvents, WorkerReport
 from .incidents import Incidents
+from .log import get_logger
 from .native import combine_native
 from .rules import (
     FACTORS_KEY,
@@ -57,15 +57,22 @@ from .rules import (
     container_kind,
     parse_multi,
 )
+from .stats import StatsTracker, WithKVMergePromMetrics, build_stats, with_merge_stats
 from .topology import aggregated_world_size, worker_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _EMPTY: EventBatch | None = None
 
@@ -79,6 +86,9 @@ def _empty_batch() -> EventBatch:
 
 class _Lane:
     """Scheduler-side state of one child."""
+
+    #: Worker reports of this child dropped as bad (read by the stats).
+    refused: int = 0
 
     def __init__(
         self,
@@ -506,3 +516,38 @@ class KVMergeMultiConnector(MultiConnector):
                 lane.reset()
             if self._lanes:
                 self._incidents.close(self._steps, "closed by reset_cache()")
+
+    # ==============================
+    # Stats (kvmerge.vllm.stats)
+    # ==============================
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The children's stats as ``MultiConnector`` returns them; on the
+        scheduler side, with kvmerge's counters since the previous call."""
+        children = super().get_kv_connector_stats()
+        if not self._lanes:
+            return children
+        tracker = self.__dict__.get("_stats_tracker")
+        if tracker is None:
+            tracker = self._stats_tracker = StatsTracker()
+        return with_merge_stats(children, tracker.collect(self._lanes))
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return build_stats(data, super().build_kv_connector_stats)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        children = super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+        return WithKVMergePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, children
+        )

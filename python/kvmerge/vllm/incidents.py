@@ -9,9 +9,9 @@ it lasts, one line when it is over.
 
 from __future__ import annotations
 
-import logging
+from .log import get_logger
 
-logger = logging.getLogger("kvmerge.vllm")
+logger = get_logger(__name__)
 
 
 class Incidents:
@@ -35,8 +35,9 @@ class Incidents:
                 self.count += 1
                 logger.warning(
                     "KVMergeMultiConnector: step %d: %s; other ranks' reports "
-                    "of their events wait up to %d steps, then expire (counted "
-                    "in merge_stats()); one more line when this is over",
+                    "of their events wait up to %d steps, then expire (metrics "
+                    "vllm:kvmerge_expired_total and vllm:kvmerge_pending, per "
+                    "child); one more line when this is over",
                     step,
                     _what(missing, expired),
                     self.quiet_steps - 1,

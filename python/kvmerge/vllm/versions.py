@@ -9,14 +9,15 @@ usually works, and the warning says where to look when it does not.
 
 from __future__ import annotations
 
-import logging
 from importlib import metadata
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-logger = logging.getLogger(__name__)
+from .log import get_logger
+
+logger = get_logger(__name__)
 
 _warned = False
 

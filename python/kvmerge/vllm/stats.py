@@ -1,0 +1,240 @@
+"""kvmerge's counters on vLLM's connector-stats path.
+
+Every step vLLM's scheduler calls ``get_kv_connector_stats()`` on its
+connector, aggregates the result with the workers' stats
+(``KVConnectorOutput.kv_connector_stats``) and ships ``to_dict()`` in
+``SchedulerStats.kv_connector_stats`` to the stat loggers, which rebuild it
+with the connector class's ``build_kv_connector_stats`` (``LoggingStatLogger``,
+through ``KVConnectorLogging``: one "KV Transfer metrics" line per interval)
+or feed it to the metrics its ``build_prom_metrics`` made
+(``PrometheusStatLogger``, through ``KVConnectorProm``).
+
+``MultiConnector`` sends a ``MultiKVConnectorStats``: the children's stats
+keyed by class name. ``KVMergeMultiConnector``'s scheduler side adds one more
+entry, under ``KEY`` (``"kvmerge"``, not a class name): a ``KVMergeStats``
+holding, per merged child (lane, by ``ChildSpec.label``), what happened since
+the previous call:
+
+* ``reports``: event reports the workers sent (``MergerStats.reports``);
+* ``published``: events published (``MergerStats.published``);
+* ``expired``: reports that waited ``max_pending_steps`` for the other ranks
+  and were dropped;
+* ``cleared``: pending reports an ``AllBlocksCleared`` discarded;
+* ``refused``: worker reports dropped as bad (``_Lane.refused``);
+* ``pending``: reports waiting now (a level, not an increment).
+
+Prometheus (labels ``model_name``, ``engine`` as vLLM's own, and
+``connector``, the child: ``connectors[0] (LMCacheConnectorV1)``):
+``vllm:kvmerge_reports_total``, ``vllm:kvmerge_published_total``,
+``vllm:kvmerge_expired_total``, ``vllm:kvmerge_cleared_total``,
+``vllm:kvmerge_refused_total`` (counters) and ``vllm:kvmerge_pending``
+(gauge).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiKVConnectorStats,
+)
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge
+    from vllm.config import VllmConfig
+
+#: kvmerge's entry in ``MultiKVConnectorStats.data``.
+KEY: Final = "kvmerge"
+#: Monotonic counters: increments in the stats, Prometheus counters.
+COUNTERS: Final = ("reports", "published", "expired", "cleared", "refused")
+#: A level: the latest value in the stats, a Prometheus gauge.
+PENDING: Final = "pending"
+#: The Prometheus label naming the child.
+LABEL: Final = "connector"
+PREFIX: Final = "vllm:kvmerge_"
+#: The names as ``prometheus_client`` exposes them.
+METRIC_NAMES: Final = (*(f"{PREFIX}{c}_total" for c in COUNTERS), PREFIX + PENDING)
+
+_MERGER_COUNTERS: Final = ("reports", "published", "expired", "cleared")
+_DOC: Final = {
+    "reports": "KV event reports the workers sent, per child (events in).",
+    "published": "KV events published after merging, per child (events out).",
+    "expired": "KV event reports dropped after waiting max_pending_steps for "
+    "the other ranks, per child.",
+    "cleared": "Pending KV event reports discarded by an AllBlocksCleared, per child.",
+    "refused": "Worker reports of KV events refused as bad, per child.",
+    PENDING: "KV event reports waiting for the other ranks, per child.",
+}
+
+
+@dataclass
+class KVMergeStats(KVConnectorStats):
+    """``data``: ``{child label: {"reports": n, ..., "pending": n}}``, the
+    counters as increments over the interval covered, ``pending`` as the
+    latest value. Plain dicts and ints: it travels serialized."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for label, values in other.data.items():
+            mine = self.data.get(label)
+            if mine is None:
+                self.data[label] = dict(values)
+                continue
+            for name in COUNTERS:
+                mine[name] = mine.get(name, 0) + values.get(name, 0)
+            if PENDING in values:
+                mine[PENDING] = values[PENDING]
+        return self
+
+    def reduce(self) -> dict[str, Any]:
+        return {
+            label: " ".join(
+                f"{name}={values.get(name, 0)}" for name in (*COUNTERS, PENDING)
+            )
+            for label, values in self.data.items()
+        }
+
+    def is_empty(self) -> bool:
+        return not any(
+            values.get(name, 0) for values in self.data.values() for name in COUNTERS
+        )
+
+
+class StatsTracker:
+    """Scheduler side: each lane's counters since the previous ``collect``."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, dict[str, int]] = {}
+
+    def collect(self, lanes: Sequence[Any]) -> KVMergeStats:
+        data: dict[str, dict[str, int]] = {}
+        for i, lane in enumerate(lanes):
+            merger = lane.merger
+            refused = int(getattr(lane, "refused", 0))
+            if merger is None and not refused:
+                continue
+            now = merger.stats().as_dict() if merger is not None else {}
+            current = {name: int(now.get(name, 0)) for name in _MERGER_COUNTERS}
+            current["refused"] = refused
+            last = self._last.get(i, {})
+            entry = {}
+            for name in COUNTERS:
+                before = last.get(name, 0)
+                # A replaced merger starts from zero: all of it is new.
+                value = current[name]
+                entry[name] = value - before if value >= before else value
+            entry[PENDING] = int(now.get(PENDING, 0))
+            self._last[i] = current
+            data[lane.spec.label] = entry
+        return KVMergeStats(data=data)
+
+
+def with_merge_stats(
+    children: KVConnectorStats | None, ours: KVMergeStats
+) -> KVConnectorStats | None:
+    """The children's stats as ``MultiConnector`` returns them, plus ours."""
+    if ours.is_empty():
+        return children
+    if children is None:
+        children = MultiKVConnectorStats()
+    children.data[KEY] = ours
+    return children
+
+
+def build_stats(
+    data: dict[str, Any] | None,
+    build_children: Callable[[dict[str, Any] | None], KVConnectorStats | None],
+) -> KVConnectorStats | None:
+    """``build_kv_connector_stats``: ours rebuilt, the rest by ``MultiConnector``."""
+    if data is None or KEY not in data:
+        return build_children(data)
+    ours = data[KEY]
+    stats = build_children({k: v for k, v in data.items() if k != KEY})
+    if stats is None:
+        stats = MultiKVConnectorStats()
+    stats.data[KEY] = (
+        ours if isinstance(ours, KVConnectorStats) else KVMergeStats(data=dict(ours))
+    )
+    return stats
+
+
+class KVMergePromMetrics(KVConnectorPromMetrics):
+    """The ``vllm:kvmerge_*`` metrics, fed ``KVMergeStats.data``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(
+            vllm_config,
+            metric_types,  # type: ignore[arg-type]
+            labelnames,
+            per_engine_labelvalues,
+        )
+        names = [*labelnames, LABEL]
+        self.counters: dict[str, Counter] = {
+            name: self._counter_cls(
+                name=PREFIX + name, documentation=_DOC[name], labelnames=names
+            )
+            for name in COUNTERS
+        }
+        self.pending: Gauge = self._gauge_cls(
+            name=PREFIX + PENDING,
+            documentation=_DOC[PENDING],
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        labelvalues = self.per_engine_labelvalues[engine_idx]
+        for label, values in transfer_stats_data.items():
+            for name, counter in self.counters.items():
+                counter.labels(*labelvalues, label).inc(max(0, values.get(name, 0)))
+            if PENDING in values:
+                self.pending.labels(*labelvalues, label).set(values[PENDING])
+
+
+class WithKVMergePromMetrics(KVConnectorPromMetrics):
+    """``MultiConnector``'s metrics for the children's entries, ours for ours."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        children: KVConnectorPromMetrics | None,
+    ) -> None:
+        super().__init__(
+            vllm_config,
+            metric_types,  # type: ignore[arg-type]
+            labelnames,
+            per_engine_labelvalues,
+        )
+        self.children = children
+        self.kvmerge = KVMergePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        ours = transfer_stats_data.get(KEY)
+        if ours is not None:
+            if isinstance(ours, KVConnectorStats):
+                ours = ours.to_dict()
+            self.kvmerge.observe(ours, engine_idx)
+            transfer_stats_data = {
+                k: v for k, v in transfer_stats_data.items() if k != KEY
+            }
+        if self.children is not None and transfer_stats_data:
+            self.children.observe(transfer_stats_data, engine_idx)

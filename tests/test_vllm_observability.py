@@ -1,0 +1,363 @@
+"""kvmerge's logs and metrics where vLLM's are.
+
+Logs: in a fresh process, vLLM's own logging setup (``configure_logging``, as
+``vllm serve`` runs it) and a real scheduler connector; kvmerge's INFO and
+WARNING lines come out in vLLM's format on vLLM's stream, and
+``VLLM_LOGGING_LEVEL=WARNING`` drops the INFO.
+
+Metrics: merged steps through the harness (workers' outputs with their
+``kv_connector_stats`` as the model runner sets them, pickled, aggregated),
+the scheduler's part of ``update_from_output`` for the stats, the
+``SchedulerStats`` through vLLM's msgpack as the engine core sends it, then
+vLLM's real ``PrometheusStatLogger`` and ``LoggingStatLogger``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+from vllm.config import ModelConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+from vllm_children import LMCacheChild
+from vllm_harness import Bus, Cluster, child, shm_roundtrip, stored, worker_output
+
+from kvmerge.vllm import register
+from kvmerge.vllm.stats import METRIC_NAMES
+
+pytestmark = pytest.mark.vllm
+
+TESTS = Path(__file__).resolve().parent
+
+
+# --- logs ----------------------------------------------------------------------
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    configure_logging(LoggingConfig())  # what `vllm serve` does at start-up
+    from vllm_harness import Bus, Cluster, child, stored
+
+    from kvmerge.vllm import register
+
+    register()
+    bus = Bus()
+    # The scheduler's lane logs its rule (INFO) when it is built.
+    c = Cluster([child("LMCacheChild", kv_events_merge="all")], bus, tp=2)
+    # Rank 1 sends no output: the worker-loss incident warning.
+    c.emit(0, 0, [stored(1)])
+    c.schedule(c.aggregate(ranks=[0]))
+    bus.close()
+    sys.stdout.flush()
+    print("\\nRESULT " + json.dumps({"pid": os.getpid()}), file=sys.stderr)
+    """
+)
+
+# vLLM's _FORMAT: "(%(vllm_process_name)s pid=%(process)d) %(levelname)s
+# %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s", dates "%m-%d %H:%M:%S".
+VLLM_LINE = re.compile(
+    r"^\((?P<process>[^ ]+) pid=(?P<pid>\d+)\) (?P<level>[A-Z]+) "
+    r"(?P<date>\d\d-\d\d \d\d:\d\d:\d\d) \[(?P<file>[^:\]]+):(?P<line>\d+)\] "
+    r"(?P<message>.*)$"
+)
+
+
+def run_under_vllm_logging(level: str) -> tuple[list[re.Match], str, int]:
+    env = dict(os.environ)
+    for name in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_CONFIG_PATH"):
+        env.pop(name, None)
+    env.update(
+        VLLM_LOGGING_LEVEL=level,
+        VLLM_CONFIGURE_LOGGING="1",
+        VLLM_LOGGING_COLOR="0",
+        VLLM_LOGGING_PREFIX="",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(TESTS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stderr.rsplit("RESULT ", 1)[1])
+    lines = [m for m in map(VLLM_LINE.match, out.stdout.splitlines()) if m]
+    return lines, out.stderr, result["pid"]
+
+
+def kvmerge_lines(lines: list[re.Match]) -> dict[str, re.Match]:
+    found = {}
+    for m in lines:
+        if "merging with rule" in m["message"]:
+            found["info"] = m
+        elif "sent no output" in m["message"]:
+            found["warning"] = m
+    return found
+
+
+def test_info_and_warnings_come_out_in_vllm_format_on_vllm_stream():
+    lines, stderr, pid = run_under_vllm_logging("INFO")
+    found = kvmerge_lines(lines)
+    assert set(found) == {"info", "warning"}, [m.group(0) for m in lines]
+    info, warning = found["info"], found["warning"]
+    assert info["level"] == "INFO" and warning["level"] == "WARNING"
+    assert int(info["pid"]) == int(warning["pid"]) == pid
+    assert info["file"] == "connector.py" and warning["file"] == "incidents.py"
+    assert info["message"].startswith(
+        "KVMergeMultiConnector connectors[0] (LMCacheChild): merging with rule 'all'"
+    )
+    assert "vllm:kvmerge_expired_total" in warning["message"]
+    # On vLLM's stream (stdout) only: nothing bare on stderr.
+    assert "merging with rule" not in stderr and "sent no output" not in stderr
+
+
+def test_vllm_logging_level_warning_drops_our_info():
+    lines, stderr, _pid = run_under_vllm_logging("WARNING")
+    found = kvmerge_lines(lines)
+    assert set(found) == {"warning"}, [m.group(0) for m in lines]
+    assert "merging with rule" not in stderr
+
+
+def test_plugin_loggers_are_under_vllm():
+    from kvmerge.vllm import alias, connector, incidents, versions
+
+    for module in (connector, incidents, alias, versions):
+        assert module.logger.name.startswith("vllm.kvmerge."), module.logger.name
+        assert module.logger.parent is not None
+
+
+# --- metrics -------------------------------------------------------------------
+@dataclass
+class LoadStats(KVConnectorStats):
+    """A child's own worker-side stats (kept working beside kvmerge's)."""
+
+    def reset(self):
+        self.data = {"loads": 0}
+
+    def aggregate(self, other):
+        self.data["loads"] = self.data.get("loads", 0) + other.data.get("loads", 0)
+        return self
+
+    def reduce(self):
+        return {"loads": self.data.get("loads", 0)}
+
+    def is_empty(self):
+        return not self.data.get("loads")
+
+
+class LoadProm(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.loads = self._counter_cls(
+            name="vllm:test_child_loads", documentation="loads", labelnames=labelnames
+        )
+
+    def observe(self, transfer_stats_data, engine_idx=0):
+        values = self.per_engine_labelvalues[engine_idx]
+        self.loads.labels(*values).inc(transfer_stats_data["loads"])
+
+
+class StatsChild(LMCacheChild):
+    """An LMCache-like child with stats of its own: one load per worker step."""
+
+    def get_kv_connector_stats(self):
+        return LoadStats(data={"loads": 1}) if self._role.name == "WORKER" else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return LoadStats(data=dict(data)) if data is not None else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ):
+        return LoadProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+@pytest.fixture(scope="module")
+def bus():
+    b = Bus()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    """A real ModelConfig for the stat loggers, from a local tiny config."""
+    path = tmp_path_factory.mktemp("tiny")
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 1,
+                "vocab_size": 128,
+                "max_position_embeddings": 256,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    return ModelConfig(
+        model=str(path), skip_tokenizer_init=True, served_model_name="tiny"
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    register()
+    # MultiConnector rebuilds a child's stats by its registered name.
+    with contextlib.suppress(ValueError):
+        KVConnectorFactory.register_connector("StatsChild", __name__, "StatsChild")
+
+
+def stats_child(**extra) -> dict:
+    return {**child("StatsChild", **extra), "kv_connector_module_path": __name__}
+
+
+def engine_step(c: Cluster, ranks=None) -> SchedulerStats:
+    """One step, the stats as the engine core sends them to the front end."""
+    ranks = range(c.world_size) if ranks is None else ranks
+    outputs = []
+    for r in ranks:
+        worker = c.workers[r]
+        # KVConnectorModelRunnerMixin: the worker connector's stats.
+        out = worker_output(worker, kv_connector_stats=worker.get_kv_connector_stats())
+        outputs.append(shm_roundtrip(out)[0])
+    output = c.aggregator.aggregate(outputs, output_rank=0)
+    kv_out = output.kv_connector_output
+    c.bus.publish(c.schedule(output))
+    # Scheduler.update_from_output, then make_stats.
+    kv_stats = kv_out.kv_connector_stats if kv_out else None
+    sched = c.scheduler.get_kv_connector_stats()
+    if sched is not None and not sched.is_empty():
+        kv_stats = kv_stats.aggregate(sched) if kv_stats is not None else sched
+    stats = SchedulerStats(kv_connector_stats=kv_stats.to_dict() if kv_stats else None)
+    # EngineCoreOutputs go to the front end msgpack-encoded.
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
+    return MsgpackDecoder(EngineCoreOutputs).decode(wire).scheduler_stats
+
+
+def sample(text: str, name: str, connector: str) -> float:
+    pattern = re.compile(
+        rf"^{re.escape(name)}\{{(?P<labels>[^}}]*)\}} (?P<value>\S+)$", re.M
+    )
+    for m in pattern.finditer(text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
+        if labels.get("connector") == connector:
+            assert labels["model_name"] == "tiny" and labels["engine"] == "0"
+            return float(m["value"])
+    raise AssertionError(f"no {name} for {connector}:\n{text}")
+
+
+def test_counters_reach_prometheus_and_the_logging_line(bus, model_config, caplog):
+    c = Cluster(
+        [stats_child(kv_events_merge="all"), child("LMCacheChild")],
+        bus,
+        tp=2,
+        max_pending_steps=1,
+    )
+    cfg = copy.copy(c.cfg)
+    cfg.model_config = model_config
+    prom = PrometheusStatLogger(cfg)
+    logging_logger = LoggingStatLogger(cfg)
+
+    def run(step, ranks=None):
+        stats = engine_step(c, ranks)
+        prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+        logging_logger.record(scheduler_stats=stats, iteration_stats=None)
+
+    # Step 0: both ranks report [1, 2] on lane 0 and [1] on lane 1.
+    for r in (0, 1):
+        c.emit(r, 0, [stored(1), stored(2, 1)])
+        c.emit(r, 1, [stored(1)])
+    run(0)
+    # Steps 1-2: rank 1 is gone; rank 0's reports of lane 0 wait, then expire.
+    for step in (1, 2):
+        c.emit(0, 0, [stored(10 + step)])
+        run(step, ranks=[0])
+
+    text = generate_latest(REGISTRY).decode()
+    lane0 = "connectors[0] (StatsChild)"
+    lane1 = "connectors[1] (LMCacheChild)"
+    expected = {
+        lane0: {"reports": 6, "published": 2, "expired": 1, "cleared": 0},
+        lane1: {"reports": 2, "published": 1, "expired": 0, "cleared": 0},
+    }
+    merger_stats = c.scheduler.merge_stats()
+    for lane, want in expected.items():
+        index = 0 if lane == lane0 else 1
+        for name, value in want.items():
+            assert merger_stats[index][name] == value, (lane, name)
+            assert sample(text, f"vllm:kvmerge_{name}_total", lane) == value
+        assert sample(text, "vllm:kvmerge_refused_total", lane) == 0
+    # Rank 0's report of step 2 waits still; the gauge is the latest level.
+    assert sample(text, "vllm:kvmerge_pending", lane0) == merger_stats[0]["pending"]
+    assert merger_stats[0]["pending"] == 1
+    assert sample(text, "vllm:kvmerge_pending", lane1) == 0
+    for name in METRIC_NAMES:
+        kind = "counter" if name.endswith("_total") else "gauge"
+        assert f"# TYPE {name} {kind}\n" in text, name
+    # The child's own stats still get through MultiConnector's path.
+    loads = re.search(r"^vllm:test_child_loads_total\{[^}]*\} (\S+)$", text, re.M)
+    assert loads is not None and float(loads[1]) == 2 + 1 + 1
+
+    # The periodic logging line (idle engine: at DEBUG).
+    with caplog.at_level(logging.DEBUG, logger="vllm"):
+        logging_logger.log()
+    (line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("KV Transfer metrics")
+    ]
+    assert "StatsChild={'loads': 4}" in line
+    assert (
+        f"kvmerge={{'{lane0}': 'reports=6 published=2 expired=1 cleared=0 "
+        f"refused=0 pending=1', '{lane1}': 'reports=2 published=1 expired=0 "
+        "cleared=0 refused=0 pending=0'}"
+    ) in line, line
+
+
+def test_refused_reports_are_counted(bus, model_config):
+    """The lane's ``refused`` counter reaches Prometheus (set by hand here: the
+    connector increments it where it drops a bad report)."""
+    c = Cluster([child("LMCacheChild", kv_events_merge="all")], bus, tp=1)
+    cfg = copy.copy(c.cfg)
+    cfg.model_config = model_config
+    prom = PrometheusStatLogger(cfg)
+    c.emit(0, 0, [stored(1)])
+    prom.record(scheduler_stats=engine_step(c), iteration_stats=None)
+    c.scheduler._lanes[0].refused = 3
+    prom.record(scheduler_stats=engine_step(c), iteration_stats=None)
+    c.scheduler._lanes[0].refused = 4
+    prom.record(scheduler_stats=engine_step(c), iteration_stats=None)
+    text = generate_latest(REGISTRY).decode()
+    label = "connectors[0] (LMCacheChild)"
+    assert sample(text, "vllm:kvmerge_refused_total", label) == 4
+    assert sample(text, "vllm:kvmerge_reports_total", label) == 1
+    assert sample(text, "vllm:kvmerge_published_total", label) == 1
