@@ -60,6 +60,28 @@ def _registered():
     register()
 
 
+def refused_step(c: Cluster, ranks: list[int]) -> str:
+    """One step in which exactly ``ranks``' reports of lane 0 are refused:
+    nothing raises or is published, each is counted, each rank logged once.
+    Returns the warnings' text."""
+    refusals = logging.getLogger("vllm.kvmerge.refusals")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    refusals.addHandler(handler)
+    before = c.scheduler._lanes[0].refused
+    try:
+        assert c.step() == []
+    finally:
+        refusals.removeHandler(handler)
+    assert c.scheduler._lanes[0].refused - before == len(ranks)
+    lines = [r.getMessage() for r in records if "dropped rank" in r.getMessage()]
+    assert [
+        int(line.split("dropped rank ")[1].split("'")[0]) for line in lines
+    ] == ranks
+    return "\n".join(lines)
+
+
 def chain(n: int, start: int = 1) -> list:
     """n stores, each the parent of the next."""
     return [stored(h, h - 1 if h > start else None) for h in range(start, start + n)]
@@ -114,20 +136,59 @@ def test_all_rule_counts_every_worker_of_the_config(bus, tp):
     }
 
 
-def test_a_salvaged_output_joins_its_ranks_report(bus):
-    """Two outputs of one rank in one step (vLLM salvaging an earlier step's
-    output into the current one) are that rank's one report, in arrival order:
-    not a second rank, and not an error."""
+def test_two_outputs_claiming_one_rank_keep_the_first_and_say_so(bus, caplog):
+    """Two outputs of one rank in one step can only come from two workers that
+    believe they have the same rank (vLLM's salvaged outputs carry no KV
+    events): the second is dropped, counted and logged with the rank."""
     c = Cluster([child("LMCacheChild")], bus, tp=2)
     s1, s2, s3 = stored(1), stored(2), stored(3)
     outputs = []
     for rank, events in ((0, [s1]), (1, [s1, s2, s3]), (0, [s2])):
         c.emit(rank, 0, events)
         outputs.append(shm_roundtrip(worker_output(c.workers[rank]))[0])
-    published = c.bus.publish(c.schedule(c.aggregator.aggregate(outputs, 0)))
-    assert published == [s1, s2]  # s3: rank 0 never reported it
+    with caplog.at_level(logging.WARNING):
+        published = c.bus.publish(c.schedule(c.aggregator.aggregate(outputs, 0)))
+    assert published == [s1]  # rank 0's second output (s2) was dropped
+    assert c.scheduler._lanes[0].refused == 1
+    (line,) = [
+        r.getMessage() for r in caplog.records if "dropped rank" in r.getMessage()
+    ]
+    assert "rank 0" in line and "connectors[0] (LMCacheChild)" in line
+    assert "a second report claims rank 0" in line
+
+
+def test_vllms_salvaged_output_loses_its_events_and_the_gap_is_reported(bus, caplog):
+    """vLLM's own salvage path (KVOutputAggregator.ft_defer_kv_connector_outputs,
+    what the executor calls for a worker whose step failed) drops the step's
+    KV events: kvmerge sees the gap in that rank's reports, counts and logs
+    it; the other ranks' reports of the lost events expire."""
+    c = Cluster([child("LMCacheChild")], bus, tp=2, max_pending_steps=2)
+    s1, s2, s3 = stored(1), stored(2), stored(3)
+    c.emit(0, 0, [s1])
+    c.emit(1, 0, [s1])
+    assert c.step() == [s1]
+    # Step 1: rank 1's get_output() fails; its KV output is salvaged.
+    c.emit(0, 0, [s2])
+    c.emit(1, 0, [s2])
+    good = shm_roundtrip(worker_output(c.workers[0]))[0]
+    failed = shm_roundtrip(worker_output(c.workers[1]))[0]
+    c.aggregator.ft_defer_kv_connector_outputs([failed.kv_connector_output])
+    assert failed.kv_connector_output.kv_cache_events is None  # vLLM dropped them
+    assert c.bus.publish(c.schedule(c.aggregator.aggregate([good, good], 0))) == []
+    # Step 2: the salvaged output joins; rank 1 reports again.
     c.emit(0, 0, [s3])
-    assert c.step() == [s3]  # still pending for rank 0, as for any late report
+    c.emit(1, 0, [s3])
+    with caplog.at_level(logging.WARNING, logger="vllm.kvmerge"):
+        assert c.step() == [s3]
+        for _ in range(3):
+            c.step()
+    assert c.scheduler.lost_reports == 1
+    assert any(
+        "rank 1's reports 1..1 never arrived" in r.getMessage() for r in caplog.records
+    )
+    stats = c.scheduler.merge_stats()[0]
+    assert stats["expired"] == 1  # rank 0's s2: rank 1's report of it was lost
+    assert stats["pending"] == 0
 
 
 def test_duplicates_in_one_worker_do_not_stand_in_for_another(bus):
@@ -206,10 +267,11 @@ def test_quorum_factors_must_cover_reported_groups(bus):
     assert c.step() == [stored(1, group=0)]
     for r in range(2):
         c.emit(r, 0, [stored(2, group=1)])
-    with pytest.raises(kvmerge.GroupError) as err:
-        c.step()
-    msg = str(err.value)
+    msg = refused_step(c, [0, 1])  # on the step path: dropped, not raised
     assert "connectors[0] (MooncakeChild)" in msg and "replication factors" in msg
+    for r in range(2):
+        c.emit(r, 0, [stored(3, group=0)])
+    assert c.step() == [stored(3, group=0)]  # later steps merge as usual
 
 
 def test_configured_factors_override_the_containers(bus):
@@ -485,9 +547,7 @@ def test_quorum_without_factors_fails_at_the_first_step(bus):
     assert c.step() == []  # nothing reported yet: nothing to complain about
     for r in range(2):
         c.emit(r, 0, [stored(1)])
-    with pytest.raises(kvmerge.ConfigError) as err:
-        c.step()
-    msg = str(err.value)
+    msg = refused_step(c, [0, 1])
     assert "connectors[0] (LMCacheChild)" in msg
     assert "kv_events_merge='quorum'" in msg and "kv_events_replication_factors" in msg
 
@@ -505,9 +565,7 @@ def test_configured_factors_must_cover_reported_groups(bus):
         tp=2,
     )
     c.emit(0, 0, [stored(1, group=2)])
-    with pytest.raises(kvmerge.GroupError) as err:
-        c.step()
-    msg = str(err.value)
+    msg = refused_step(c, [0])
     assert "connectors[0] (ThirdPartyConnector)" in msg
     assert "kv_events_replication_factors" in msg
 
@@ -592,3 +650,119 @@ def test_worker_loss_is_logged_once_per_incident(bus, vllm_caplog):
     assert "is over" in lines[1]
     assert "rank(s) [1] sent no output and 3 pending report(s) expired" in lines[1]
     assert c.scheduler.merge_stats()[0]["expired"] == 3
+
+
+# --- start-up: every worker's settings are the scheduler's -----------------------
+def mismatched_cluster(bus, **worker_changes):
+    """A TP 2 cluster whose rank 1 worker was built from another config."""
+    c = Cluster([child("LMCacheChild"), child("UMBPChild")], bus, tp=2)
+    odd = make_config(
+        worker_changes.pop("children", [child("LMCacheChild"), child("UMBPChild")]),
+        tp=2,
+        **worker_changes,
+    )
+    c.workers[1] = build(worker_config(odd, 1), WORKER)
+    return c
+
+
+@pytest.mark.parametrize(
+    ("changes", "setting"),
+    [
+        ({"kv_events": False}, "kv_events: worker False, scheduler True"),
+        ({"children": [child("LMCacheChild")]}, "connectors (label"),
+        (
+            {"children": [child("UMBPChild"), child("LMCacheChild")]},
+            "connectors (label",
+        ),
+        (
+            {
+                "children": [
+                    child("LMCacheChild", kv_events_merge="any"),
+                    child("UMBPChild"),
+                ]
+            },
+            "connectors (label",
+        ),
+    ],
+    ids=["kv-events-off", "child-missing", "children-reordered", "other-rule"],
+)
+def test_a_worker_with_other_settings_fails_the_first_step_naming_it(
+    bus, changes, setting
+):
+    c = mismatched_cluster(bus, **changes)
+    with pytest.raises(kvmerge.ConfigError) as err:
+        c.step()
+    msg = str(err.value)
+    assert "rank 1's settings differ from the scheduler's" in msg
+    assert setting in msg
+
+
+def test_after_start_up_a_restarted_worker_with_other_settings_is_dropped_and_logged(
+    bus, caplog
+):
+    """Past the first step an error would be an outage: the odd worker's
+    reports are dropped, counted and logged with the rank and the setting;
+    the others' reports merge as the rules give without them."""
+    c = Cluster([child("LMCacheChild", kv_events_merge="any")], bus, tp=2)
+    s1, s2 = stored(1), stored(2)
+    c.emit(0, 0, [s1])
+    c.emit(1, 0, [s1])
+    assert c.step() == [s1]
+    # Rank 1 restarts from a config with KV events off.
+    odd = make_config(
+        [child("LMCacheChild", kv_events_merge="any")], tp=2, kv_events=False
+    )
+    c.workers[1] = build(worker_config(odd, 1), WORKER)
+    c.emit(0, 0, [s2])
+    c.emit(1, 0, [s2])
+    with caplog.at_level(logging.WARNING, logger="vllm.kvmerge"):
+        assert c.step() == [s2]  # rank 0's report ("any")
+        c.emit(1, 0, [stored(3)])
+        assert c.step() == []  # still dropped: rank 1 is misconfigured
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "rank 1's settings differ from the scheduler's" in text
+    assert "kv_events: worker False, scheduler True" in text
+    assert c.scheduler._lanes[0].refused == 2
+
+
+# --- a damaged batch from one rank ------------------------------------------------
+def damaged_roundtrip(obj, flip_at: int):
+    """``shm_roundtrip`` with one byte of the first out-of-band buffer flipped
+    after the worker sent it (as a bad link or a stray write would)."""
+    oob: list[bytearray] = []
+
+    def callback(buf: pickle.PickleBuffer) -> bool:
+        oob.append(bytearray(buf.raw()))
+        return False
+
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
+    assert oob, "no batch went out of band"
+    oob[0][flip_at % len(oob[0])] ^= 0x40
+    return pickle.loads(data, buffers=oob)
+
+
+@pytest.mark.parametrize("flip_at", [0, 5, 17, 40, 99, -1])
+def test_a_damaged_batch_drops_that_ranks_report_only(bus, flip_at):
+    """Unpickling one rank's damaged batch does not raise (vLLM's dequeue runs
+    it); that rank's report of that child and step is dropped and counted,
+    and what is published equals the reference model without that report."""
+    tp, rule = 3, "any"
+    c = Cluster([child("UMBPChild"), child("LMCacheChild")], bus, tp=tp)
+    models = [ReferenceMerger(tp, rule), ReferenceMerger(tp, "all")]
+    events = [[stored(10 * r + 1), stored(99)] for r in range(tp)]
+    outputs = []
+    for r in range(tp):
+        for lane in (0, 1):
+            c.emit(r, lane, events[r])
+        out = worker_output(c.workers[r])
+        outputs.append(
+            damaged_roundtrip(out, flip_at) if r == 1 else shm_roundtrip(out)[0]
+        )
+        # Rank 1's lane-0 batch is the damaged one (its first buffer).
+        models[0].add(r, [] if r == 1 else events[r])
+        models[1].add(r, events[r])
+    published = c.bus.publish(c.schedule(c.aggregator.aggregate(outputs, 0)))
+    expected = models[0].finish_step() + models[1].finish_step()
+    assert_same_events(published, expected)
+    lanes = c.scheduler._lanes
+    assert (lanes[0].refused, lanes[1].refused) == (1, 0)

@@ -45,11 +45,13 @@ from .container import KVMergeKVEvents, WorkerReport
 from .incidents import Incidents
 from .log import get_logger
 from .native import combine_native
+from .refusals import Refusals
 from .rules import (
     FACTORS_KEY,
     KIND_MOONCAKE,
     KIND_NATIVE,
     KIND_OTHER,
+    KIND_REFUSED,
     MERGE_KEY,
     ChildSpec,
     MultiSpec,
@@ -57,6 +59,7 @@ from .rules import (
     container_kind,
     parse_multi,
 )
+from .settings import differences, settings_of
 from .stats import StatsTracker, WithKVMergePromMetrics, build_stats, with_merge_stats
 from .topology import aggregated_world_size, worker_rank
 
@@ -165,71 +168,97 @@ class _Lane:
             self.max_pending_steps,
         )
 
-    def _resolve(self, present: Sequence[tuple[int, str, Any, Any]]) -> None:
-        """Fix the lane's mode, kind and merger from this step's containers."""
-        for rank, kind, _payload, _factors in present:
-            if self.kind is None:
-                self.kind = kind
-            elif kind != self.kind:
-                raise TypeError(
-                    f"{self.label}: rank {rank} returned a {kind} container, "
-                    f"but this child returned {self.kind} containers before"
-                )
+    def _resolve(self, entry: tuple[int, str | None, Any, Any]) -> str | None:
+        """Fix the lane's mode, kind and merger from a rank's container; or
+        say why this rank's container cannot join this lane."""
+        _rank, kind, _payload, reported = entry
+        assert kind is not None
+        if self.kind is None:
+            self.kind = kind
+        elif kind != self.kind:
+            return (
+                f"a {kind} container, but this child returned {self.kind} "
+                "containers before"
+            )
         if self.mode is None:
             self.mode = "native" if self.kind == KIND_NATIVE else "merge"
-        elif (self.kind == KIND_NATIVE) != (self.mode == "native"):
+        elif (kind == KIND_NATIVE) != (self.mode == "native"):
             # The worker decided otherwise than this side's configuration.
-            raise ConfigError(
-                f"{self.label}: workers sent a {self.kind} lane but the scheduler's "
-                f"{MERGE_KEY} setting is {self.spec.rule!r}; workers and scheduler "
-                "must share the same kv_transfer_config"
+            return (
+                f"a {kind} lane, but the scheduler's {MERGE_KEY} setting is "
+                f"{self.spec.rule!r}: workers and scheduler must share the same "
+                "kv_transfer_config"
             )
-        if self.mode != "merge" or self.merger is not None:
-            return
-        assert self.kind is not None
-        rule = self.spec.rule_for(self.kind)
-        factors, source = self.spec.factors, FACTORS_KEY
-        if rule == "quorum" and factors is None:
-            factors = next((f for _r, _k, _p, f in present if f is not None), None)
-            source = f"the {self.kind} container"
-            if factors is None:
-                raise ConfigError(
-                    f"{self.label}: {MERGE_KEY}='quorum' needs replication factors, "
-                    f"one per KV cache group: set {FACTORS_KEY} in this child's "
-                    "kv_connector_extra_config (its containers carry none)"
-                )
-        self.rule = rule
-        self._make_merger(rule, factors, source)
+        if self.mode != "merge":
+            return None
+        if self.merger is None:
+            rule = self.spec.rule_for(kind)
+            factors, source = self.spec.factors, FACTORS_KEY
+            if rule == "quorum" and factors is None:
+                factors, source = reported, f"the {kind} container"
+                if factors is None:
+                    return (
+                        f"{MERGE_KEY}='quorum' needs replication factors, one per "
+                        f"KV cache group: set {FACTORS_KEY} in this child's "
+                        "kv_connector_extra_config (its containers carry none)"
+                    )
+            try:
+                self._make_merger(rule, factors, source)
+            except ConfigError as e:
+                return str(e)
+        elif (
+            self.rule == "quorum"
+            and self.factors_source != FACTORS_KEY
+            and reported is not None
+            and tuple(reported) != self.factors
+        ):
+            return (
+                f"replication factors {tuple(reported)}, others {self.factors}; "
+                f"set {FACTORS_KEY} to choose"
+            )
+        return None
 
-    def step(self, entries: Sequence[tuple[int, str | None, Any, Any]]) -> Any:
-        """One aggregated step; returns this child's native container, if any."""
-        present = [e for e in entries if e[1] is not None]
-        if present:
-            self._resolve(present)  # type: ignore[arg-type]
+    def step(
+        self, entries: Sequence[tuple[int, str | None, Any, Any]], refusals: Refusals
+    ) -> Any:
+        """One aggregated step; returns this child's native container, if any.
+
+        A rank's report that cannot be merged (of another kind than this
+        child's, a bad batch, a group without a factor, a batch that left out
+        bytes it must carry) is dropped and counted (``refused``); the other
+        ranks' reports merge as if it had not been sent.
+        """
+        present = []
+        for entry in entries:
+            if entry[1] is None:
+                continue
+            why = self._resolve(entry)
+            if why is None:
+                present.append(entry)
+            else:
+                refusals.refuse(self, entry[0], why)
         if self.mode == "native":
-            return combine_native(self.spec.label, (e[2] for e in entries))
+            return combine_native(self.spec.label, (e[2] for e in present))
         merger = self.merger
         if merger is None:  # nothing reported by this child yet
             return None
-        if (
-            self.rule == "quorum"
-            and self.factors_source != FACTORS_KEY
-            and self.factors is not None
-        ):
-            for rank, _kind, _payload, factors in present:
-                if factors is not None and tuple(factors) != self.factors:
-                    raise ConfigError(
-                        f"{self.label}: rank {rank} reports replication factors "
-                        f"{tuple(factors)}, others {self.factors}; set "
-                        f"{FACTORS_KEY} to choose"
-                    )
         empty = _empty_batch()
+        accepted = {rank for rank, _k, _p, _f in present}
+        reports = [
+            (rank, empty if p is None or rank not in accepted else p)
+            for rank, _k, p, _f in entries
+        ]
         try:
             # All ranks of the step or none: a rejected report leaves the
-            # merger as it was.
-            merger.add_all(
-                [(rank, empty if p is None else p) for rank, _k, p, _f in entries]
-            )
+            # merger as it was, and the ranks are then added one by one.
+            merger.add_all(reports)
+        except KVMergeError:
+            for rank, batch in reports:
+                try:
+                    merger.add(rank, batch)
+                except KVMergeError as e:
+                    refusals.refuse(self, rank, self._explain(e))
+        try:
             if self.invalidate is not None:
                 batch = merger.finish_step_batch()
                 # The hook only reads removals: decode those alone.
@@ -242,15 +271,17 @@ class _Lane:
                 self.out.extend(merger.finish_step())
             else:
                 self.out.extend(merger.finish_step_raw())
-        except GroupError as e:
-            raise GroupError(
-                f"{self.label}: {self._rule_setting()} with replication factors "
-                f"{self.factors} (from {self.factors_source}) does not cover a "
-                f"KV cache group the workers reported: {e}"
-            ) from e
-        except RankError as e:
-            raise RankError(f"{self.label}: {e}") from e
+        except KVMergeError as e:
+            refusals.lost(self, merger.step, self._explain(e))
         return None
+
+    def _explain(self, e: KVMergeError) -> str:
+        if isinstance(e, GroupError):
+            return (
+                f"{self._rule_setting()} with replication factors {self.factors} "
+                f"(from {self.factors_source}) does not cover its KV cache group: {e}"
+            )
+        return f"{type(e).__name__}: {e}"
 
     def reset(self) -> None:
         if self.merger is not None:
@@ -313,8 +344,19 @@ class KVMergeMultiConnector(MultiConnector):
         )
         self._world_size = aggregated_world_size(vllm_config)
         self._rank: int | None = None
+        #: Worker side: how many reports this worker has made.
+        self._seq = 0
         self._lanes: list[_Lane] = []
         if role == KVConnectorRole.SCHEDULER:
+            # What every worker should believe (rank aside): WorkerSettings.
+            self._settings = settings_of(
+                spec, self._world_size, -1, self._events_enabled
+            )
+            self._refusals = Refusals()
+            self._misconfigured: set[int] = set()
+            self._last_seq: dict[int, int] = {}
+            #: Worker reports that never arrived (a gap in a rank's seq).
+            self.lost_reports = 0
             # Quiet for a whole pending window: nothing of the incident is left.
             self._incidents = Incidents(self._world_size, spec.max_pending_steps + 1)
             self._steps = 0
@@ -378,14 +420,36 @@ class KVMergeMultiConnector(MultiConnector):
                     else _empty_batch()
                 )
             except KVMergeError as e:
-                raise type(e)(
-                    f"KVMergeMultiConnector {child.label}: cannot encode the events "
-                    f"of its {type(container).__name__} (set {MERGE_KEY}='native' "
-                    f"to pass them through unmerged): {e}"
-                ) from e
+                # On the step path: this child's events of this step are
+                # lost, the rest goes on; the scheduler counts and logs it.
+                why = (
+                    f"cannot encode the events of its {type(container).__name__} "
+                    f"(set {MERGE_KEY}='native' to pass them through unmerged): {e}"
+                )
+                logger.error(
+                    "KVMergeMultiConnector %s: rank %d: %s",
+                    child.label,
+                    self.worker_rank,
+                    why,
+                )
+                kinds[i], payloads[i] = KIND_REFUSED, why
+                continue
             kinds[i] = kind
+        seq = self._seq
+        self._seq += 1
         report = WorkerReport(
-            self.worker_rank, tuple(kinds), tuple(payloads), tuple(factors)
+            self.worker_rank,
+            tuple(kinds),
+            tuple(payloads),
+            tuple(factors),
+            seq=seq,
+            settings=(
+                settings_of(
+                    self._spec, self._world_size, self.worker_rank, self._events_enabled
+                )
+                if seq == 0
+                else None
+            ),
         )
         return KVMergeKVEvents.for_worker(report)
 
@@ -428,43 +492,89 @@ class KVMergeMultiConnector(MultiConnector):
         ]
 
     def _merge_step(self, reports: Sequence[WorkerReport]) -> list[Any]:
-        n = len(self._lanes)
         by_rank: dict[int, WorkerReport] = {}
         for report in reports:
-            if report.num_lanes != n:
-                raise ConfigError(
-                    f"KVMergeMultiConnector: rank {report.rank} sent "
-                    f"{report.num_lanes} lanes for {n} connectors; workers and "
-                    "scheduler must share the same kv_transfer_config"
-                )
-            if not 0 <= report.rank < self._world_size:
-                raise RankError(
-                    f"KVMergeMultiConnector: rank {report.rank} is outside the "
-                    f"aggregated world of {self._world_size} workers"
-                )
-            earlier = by_rank.get(report.rank)
-            if earlier is not None:
-                logger.warning(
-                    "KVMergeMultiConnector: rank %d reported twice in one step "
-                    "(a salvaged output?): its events count as one report, in "
-                    "arrival order",
-                    report.rank,
-                )
-                report = earlier.followed_by(report)
+            why = self._report_problem(report, by_rank)
+            if why is not None:
+                self._refusals.refuse_report(self._lanes, report.rank, why)
+                continue
             by_rank[report.rank] = report
         ordered = [by_rank[rank] for rank in sorted(by_rank)]
         expired_before = self._expired()
-        native = [
-            lane.step(
-                [(r.rank, r.kinds[i], r.payloads[i], r.factors[i]) for r in ordered]
-            )
-            for i, lane in enumerate(self._lanes)
-        ]
+        refusals = self._refusals
+        native = []
+        for i, lane in enumerate(self._lanes):
+            entries = []
+            for r in ordered:
+                why = r.lane_problem(i)
+                if why is None:
+                    entries.append((r.rank, r.kinds[i], r.payloads[i], r.factors[i]))
+                else:
+                    refusals.refuse(lane, r.rank, why)
+                    entries.append((r.rank, None, None, None))
+            native.append(lane.step(entries, refusals))
+        refusals.end_step()
         self._incidents.observe(
             self._steps, set(by_rank), self._expired() - expired_before
         )
         self._steps += 1
         return native
+
+    def _report_problem(self, report: Any, seen: dict[int, WorkerReport]) -> str | None:
+        """Why a worker's report cannot be merged at all, or None.
+
+        A worker whose settings differ from the scheduler's fails the engine on
+        the first step (start-up: misconfiguration should stop it, loudly);
+        from then on its reports are dropped and logged, as any bad report.
+        """
+        if not isinstance(report, WorkerReport):
+            return f"not a WorkerReport but {type(report).__name__}"
+        why = report.problem()
+        if why is not None:
+            return why
+        rank = report.rank
+        if not 0 <= rank < self._world_size:
+            return f"rank {rank} is outside the aggregated world of {self._world_size}"
+        if rank in seen:
+            return (
+                f"a second report claims rank {rank} in one step (two workers "
+                "with one rank? vLLM's salvaged outputs carry no KV events)"
+            )
+        if report.settings is not None:
+            differ = differences(self._settings, report.settings, rank)
+            if differ:
+                message = (
+                    f"KVMergeMultiConnector: rank {rank}'s settings differ from "
+                    f"the scheduler's: {'; '.join(differ)}"
+                )
+                if self._steps == 0:
+                    raise ConfigError(message)
+                logger.error("%s: its reports are dropped", message)
+                self._misconfigured.add(rank)
+                return "; ".join(differ)
+            self._misconfigured.discard(rank)
+        if rank in self._misconfigured:
+            return "its settings differ from the scheduler's (logged at its start)"
+        if report.num_lanes != len(self._lanes):
+            return (
+                f"{report.num_lanes} lanes for {len(self._lanes)} connectors: "
+                "workers and scheduler must share the same kv_transfer_config"
+            )
+        last = self._last_seq.get(rank)
+        if last is not None and report.seq > last + 1:
+            logger.warning(
+                "KVMergeMultiConnector: step %d: rank %d's reports %d..%d never "
+                "arrived (vLLM drops the KV events of an output it salvages from "
+                "a failed step); their events are lost, and the other ranks' "
+                "reports of them will expire",
+                self._steps,
+                rank,
+                last + 1,
+                report.seq - 1,
+            )
+            self.lost_reports += report.seq - last - 1
+        self._last_seq[rank] = report.seq
+        return None
 
     def _expired(self) -> int:
         return sum(lane.merger.stats().expired for lane in self._lanes if lane.merger)
@@ -477,13 +587,17 @@ class KVMergeMultiConnector(MultiConnector):
         n = len(self._lanes)
         events = connector_output.kv_cache_events
         native: list[KVConnectorKVEvents | None] = [None] * n
-        if events is not None:
-            if not isinstance(events, KVMergeKVEvents):
-                raise TypeError(
-                    "KVMergeMultiConnector: expected the workers' KVMergeKVEvents, "
-                    f"got {type(events).__name__}"
-                )
+        if isinstance(events, KVMergeKVEvents):
             native = self._merge_step(events.reports)
+        elif events is not None:
+            # Some other connector's container: no worker of ours made it.
+            self._refusals.refuse_report(
+                self._lanes,
+                "?",
+                f"the aggregated events are a {type(events).__name__}, not the "
+                "workers' KVMergeKVEvents",
+            )
+            self._refusals.end_step()
         meta = connector_output.kv_connector_worker_meta
         if meta is not None and not isinstance(meta, MultiKVConnectorWorkerMetadata):
             raise TypeError(

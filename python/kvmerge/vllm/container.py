@@ -28,7 +28,8 @@ from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from kvmerge import EventBatch
 
-from .rules import KIND_NATIVE
+from .rules import KIND_NATIVE, KIND_REFUSED
+from .settings import WorkerSettings
 
 #: One lane's payload: an encoded batch, the child's own container, or None
 #: when the child returned None this step.
@@ -40,11 +41,13 @@ class WorkerReport:
 
     ``kinds[i]`` is the kind of child ``i``'s container (see ``rules``), or None
     when child ``i`` returned None; ``payloads[i]`` its encoded batch or, for
-    native lanes, its own container; ``factors[i]`` the replication factors a
-    Mooncake store container carried.
+    native lanes, its own container (for a ``KIND_REFUSED`` lane, why the
+    worker could not encode it); ``factors[i]`` the replication factors a
+    Mooncake store container carried. ``seq`` counts the worker's reports (0
+    for the first of its process, which also carries its ``settings``).
     """
 
-    __slots__ = ("factors", "kinds", "payloads", "rank")
+    __slots__ = ("factors", "kinds", "payloads", "rank", "seq", "settings")
 
     def __init__(
         self,
@@ -52,6 +55,8 @@ class WorkerReport:
         kinds: tuple[str | None, ...],
         payloads: tuple[Payload, ...],
         factors: tuple[tuple[int, ...] | None, ...],
+        seq: int = 0,
+        settings: WorkerSettings | None = None,
     ) -> None:
         if not (len(kinds) == len(payloads) == len(factors)):
             raise ValueError("kinds, payloads and factors must have one entry per lane")
@@ -59,6 +64,39 @@ class WorkerReport:
         self.kinds = kinds
         self.payloads = payloads
         self.factors = factors
+        self.seq = seq
+        self.settings = settings
+
+    def problem(self) -> str | None:
+        """Why the scheduler cannot use this report at all, or None.
+
+        Reports arrive unchecked (unpickling never raises, see ``_from_wire``):
+        this is where a report another kvmerge, or a damaged message, made is
+        caught, before any of it is merged.
+        """
+        if type(self.rank) is not int or type(self.seq) is not int:
+            return f"rank {self.rank!r} / seq {self.seq!r} are not integers"
+        lanes = (self.kinds, self.payloads, self.factors)
+        if not all(type(x) is tuple for x in lanes):
+            return "kinds, payloads and factors are not tuples"
+        if not (len(self.kinds) == len(self.payloads) == len(self.factors)):
+            return "kinds, payloads and factors have different lengths"
+        return None
+
+    def lane_problem(self, lane: int) -> str | None:
+        """Why lane ``lane`` of this report cannot be merged, or None."""
+        kind, payload = self.kinds[lane], self.payloads[lane]
+        if kind is None:
+            return None if payload is None else "a payload without a kind"
+        if kind == KIND_REFUSED:
+            return f"the worker could not encode it: {payload}"
+        if kind == KIND_NATIVE:
+            if isinstance(payload, KVConnectorKVEvents):
+                return None
+            return f"a native lane carries {type(payload).__name__}"
+        if not isinstance(payload, EventBatch):
+            return f"a {kind} lane carries {type(payload).__name__}, not EventBatch"
+        return getattr(payload, "error", None)
 
     @property
     def num_lanes(self) -> int:
@@ -92,28 +130,16 @@ class WorkerReport:
         return events
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerReport, (self.rank, self.kinds, self.payloads, self.factors))
-
-    def followed_by(self, later: WorkerReport) -> WorkerReport:
-        """This rank's report and a later one of the same rank as one report.
-
-        A step can hold two outputs of one worker when vLLM salvages an
-        earlier step's output into the current one; its events happened in
-        that order, so each lane's events are concatenated, without decoding.
-        """
-        payloads: list[Payload] = []
-        for mine, theirs in zip(self.payloads, later.payloads, strict=True):
-            if mine is None or theirs is None:
-                payloads.append(theirs if mine is None else mine)
-            elif isinstance(mine, EventBatch) and isinstance(theirs, EventBatch):
-                payloads.append(EventBatch.concat([mine, theirs]))
-            else:  # native containers: the child's own method
-                payloads.append(mine.merge(theirs))  # type: ignore[union-attr]
-        return WorkerReport(
-            self.rank,
-            _first_set(self.kinds, later.kinds),
-            tuple(payloads),
-            _first_set(self.factors, later.factors),
+        return (
+            _from_wire,
+            (
+                self.rank,
+                self.kinds,
+                self.payloads,
+                self.factors,
+                self.seq,
+                self.settings,
+            ),
         )
 
     def __repr__(self) -> str:
@@ -126,8 +152,16 @@ class WorkerReport:
         return f"<WorkerReport rank={self.rank} lanes=[{lanes}]>"
 
 
-def _first_set(mine: tuple[Any, ...], theirs: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a if a is not None else b for a, b in zip(mine, theirs, strict=True))
+def _from_wire(*fields: Any) -> WorkerReport:
+    """A report as pickled, unchecked: unpickling runs inside vLLM's message
+    queue, where an exception is fatal to the engine; ``WorkerReport.problem``
+    checks it where one worker's report can be dropped."""
+    report = object.__new__(WorkerReport)
+    names = ("rank", "kinds", "payloads", "factors", "seq", "settings")
+    values = (*fields, *((None,) * len(names)))[: len(names)]
+    for name, value in zip(names, values, strict=True):
+        setattr(report, name, value)
+    return report
 
 
 class WorkerReports(Sequence[KVCacheEvent]):

@@ -47,6 +47,8 @@ KIND_UMBP: Final = "umbp"
 KIND_OTHER: Final = "other"
 #: The child's own container, carried as is.
 KIND_NATIVE: Final = "native"
+#: The worker could not encode the child's events: the payload says why.
+KIND_REFUSED: Final = "refused"
 
 _KNOWN_CONTAINERS: Final = (
     (
