@@ -194,6 +194,7 @@ def profile_case(
             list(b.connector.take_events())
             t4 = _clock()
             # Replays, untimed above: validation, merge, output.
+            assert kv_out is not None
             reports = sorted(kv_out.kv_cache_events.reports, key=lambda r: r.rank)
             raw = [bytes(p) for r in reports for p in r.payloads if p is not None]
             v0 = _clock()

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from .workload import KINDS
 
 
-def _int_in(lo: int, hi: int | None = None) -> object:
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)

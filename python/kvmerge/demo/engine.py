@@ -75,7 +75,7 @@ class _Interrupt:
     def __init__(self, display: Any) -> None:
         self.event = threading.Event()
         self.display = display
-        self.signum = signal.SIGINT
+        self.signum: int = signal.SIGINT
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _Interrupt:

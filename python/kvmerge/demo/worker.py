@@ -47,7 +47,7 @@ def release_queue(mq: Any) -> None:
     buf = getattr(mq, "buffer", None)
     shm = getattr(buf, "shared_memory", None)
     if shm is not None:
-        if getattr(buf, "is_creator", False):
+        if buf is not None and getattr(buf, "is_creator", False):
             buf.is_creator = False
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -233,7 +234,7 @@ class ReferenceMerger:
                     completions.append((firsts[q - 1], present[0][0].event, used))
         completions.sort(key=lambda c: c[0])
 
-        used_ids = set()
+        used_ids: set[int] = set()
         for _, event, used in completions:
             out.append(event)
             self.stats.consumed += len(used)
@@ -280,7 +281,7 @@ def assert_same_events(got: Sequence[object], want: Sequence[object]) -> None:
     assert list(got) == list(want)
 
 
-def assert_same_stats(engine_stats: object, model: ReferenceMerger) -> None:
+def assert_same_stats(engine_stats: Any, model: ReferenceMerger) -> None:
     got = {name: getattr(engine_stats, name) for name in COUNTERS}
     assert got == engine_stats.as_dict() == model.stats.as_dict()
     model.check_invariant()

@@ -95,7 +95,7 @@ def names_agree(cls: type) -> bool:
     return ours == upstream
 
 
-def install(cls: type | None = None) -> bool:
+def install(cls: Any = None) -> bool:
     """Make ``KVTransferConfig`` (or ``cls``) configure ``KVMergeMultiConnector``
     as ``MultiConnector`` loaded from ``kvmerge.vllm``, if the names disagree.
 
@@ -108,7 +108,7 @@ def install(cls: type | None = None) -> bool:
         cls = KVTransferConfig
     if names_agree(cls):
         return False
-    original: Callable[[Any], None] = cls.__post_init__  # type: ignore[attr-defined]
+    original: Callable[[Any], None] = cls.__post_init__
 
     def __post_init__(self: Any) -> None:
         original(self)
@@ -118,9 +118,9 @@ def install(cls: type | None = None) -> bool:
 
     __post_init__.__doc__ = original.__doc__
     __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
-    cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+    cls.__post_init__ = __post_init__
     if not names_agree(cls):
-        cls.__post_init__ = original  # type: ignore[attr-defined]
+        cls.__post_init__ = original
         logger.warning(
             "kvmerge: this vLLM derives other settings for kv_connector %r than "
             "for %r even when configured as the latter; name %r with "

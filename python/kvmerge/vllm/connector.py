@@ -57,6 +57,7 @@ from .rules import (
     MultiSpec,
     container_factors,
     container_kind,
+    is_merged,
     parse_multi,
 )
 from .settings import differences, settings_of
@@ -465,7 +466,7 @@ class KVMergeMultiConnector(MultiConnector):
         scheduler's merger applies (``kvmerge.encode`` with a rank)."""
         rule = child.rule_for(kind)
         factors = child.factors if child.factors is not None else reported
-        if rule not in ("all", "quorum", "any") or (rule == "quorum" and not factors):
+        if not is_merged(rule) or (rule == "quorum" and not factors):
             # No merger can take this lane (the scheduler says why): keep it all.
             return kvmerge.encode(events)
         return kvmerge.encode(

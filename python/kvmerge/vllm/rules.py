@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal, TypeAlias, TypeGuard
 
 from kvmerge import ConfigError
 
@@ -33,7 +33,15 @@ FACTORS_KEY: Final = "kv_events_replication_factors"
 MAX_PENDING_KEY: Final = "max_pending_steps"
 OUTPUT_KEY: Final = "kv_events_output"
 
-MERGED_RULES: Final = ("all", "quorum", "any")
+MergedRule: TypeAlias = Literal["all", "quorum", "any"]
+MERGED_RULES: Final[tuple[MergedRule, ...]] = ("all", "quorum", "any")
+
+
+def is_merged(rule: str | None) -> TypeGuard[MergedRule]:
+    """Whether ``rule`` is one a ``kvmerge.Merger`` applies."""
+    return rule in MERGED_RULES
+
+
 RULES: Final = (*MERGED_RULES, "native")
 OUTPUTS: Final = ("raw", "objects")
 #: Same default as ``kvmerge.Merger``.

@@ -80,7 +80,7 @@ class KVMergeStats(KVConnectorStats):
     latest value. Plain dicts and ints: it travels serialized."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for label, values in other.data.items():
