@@ -79,9 +79,17 @@ def flip_payload_bit() -> bytes:
 
 
 def oob_pickle_with(buffer: bytes) -> Callable[[], object]:
+    """Adds a batch unpickled from `buffer`: unpickling never raises (it runs
+    in vLLM's message queue); the batch is invalid, and adding it raises."""
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(kvmerge.encode([stored()]), 5, buffer_callback=buffers.append)
-    return lambda: pickle.loads(data, buffers=[bytearray(buffer)])
+    return lambda: Merger(2).add(0, pickle.loads(data, buffers=[bytearray(buffer)]))
+
+
+def oob_loads(buffer: bytes) -> EventBatch:
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(kvmerge.encode([stored()]), 5, buffer_callback=buffers.append)
+    return pickle.loads(data, buffers=[bytearray(buffer)])
 
 
 def merger_then(
@@ -96,6 +104,24 @@ def merger_then(
 
 
 B = kvmerge.encode
+
+
+def big_removal(value: int = 2**64 - 1) -> BlockRemoved:
+    """One BlockRemoved of about 4 MiB (466,034 hashes of 9 bytes): 1,023 of
+    them fit one step's output (4 GiB), 1,024 do not."""
+    return BlockRemoved(block_hashes=[value] * 466_034, medium=None)
+
+
+def past_the_output_limit() -> None:
+    """Issue 12's case: rank 0 of 2 adds the same 4 MiB batch every step
+    under rule "all" (rank 1 silent, nothing expires): the 1,024th would let
+    the pending reports publish over 4 GiB in one step."""
+    m = Merger(2, max_pending_steps=1024)
+    big = B([big_removal()])
+    for _ in range(1023):
+        m.add(0, big)
+        m.finish_step_raw()
+    m.add(0, big)
 
 
 def lean() -> EventBatch:
@@ -195,8 +221,15 @@ CASES: list[tuple[str, Callable[[], object]]] = [
         "from_buffer(array('I', ...))",
         lambda: EventBatch.from_buffer(array.array("I", good()[:24])),
     ),
-    ("pickle.loads(batch, buffers=[damaged])", oob_pickle_with(flip_payload_bit())),
-    ("pickle.loads(batch, buffers=[b''])", oob_pickle_with(b"")),
+    (
+        "add(0, pickle.loads(batch, buffers=[damaged]))",
+        oob_pickle_with(flip_payload_bit()),
+    ),
+    ("add(0, pickle.loads(batch, buffers=[b'']))", oob_pickle_with(b"")),
+    (
+        "decode() of pickle.loads(batch, buffers=[b''])",
+        lambda: oob_loads(b"").decode(),
+    ),
     # -- Merger settings
     ("Merger(0)", lambda: Merger(0)),
     ("Merger(-3)", lambda: Merger(-3)),
@@ -234,6 +267,10 @@ CASES: list[tuple[str, Callable[[], object]]] = [
     (
         "encode for rank 0 of 4, added to a Merger(2)",
         lambda: Merger(2).add(0, lean()),
+    ),
+    (
+        "add(0, 4 MiB batch) for the 1,024th step, nothing completing",
+        past_the_output_limit,
     ),
     # -- encode with a rank: bytes other ranks carry left out
     ("encode(events, rank=0)  # no world_size", lambda: B([stored()], rank=0)),

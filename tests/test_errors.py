@@ -113,8 +113,14 @@ def test_corrupt_out_of_band_pickle():
     with buffers[0].raw() as view:
         payload = bytearray(view)
     payload[-1] ^= 0x01
-    with pytest.raises(CorruptBatchError):
-        pickle.loads(data, buffers=[payload])
+    # Unpickling runs inside vLLM's message queue: it never raises for the
+    # bytes; the batch remembers why it is invalid, and using it raises.
+    back = pickle.loads(data, buffers=[payload])
+    assert back.error is not None and "checksum" in back.error
+    with pytest.raises(CorruptBatchError, match="checksum"):
+        kvmerge.Merger(1).add(0, back)
+    with pytest.raises(CorruptBatchError, match="checksum"):
+        back.decode()
 
 
 def test_from_buffer_needs_a_buffer():

@@ -6,8 +6,11 @@ The contract checked here, for any input:
   vLLM's own publisher would send) and decodes back to them;
 - ``EventBatch.from_buffer(b)`` for bytes that are not an intact batch raises
   ``CorruptBatchError``; ``pickle.loads`` of a batch whose carried bytes are
-  damaged raises ``CorruptBatchError``; damage to the pickle stream itself
-  gets pickle's own ``Exception``s at worst;
+  damaged never raises (it runs inside vLLM's message queue): it returns an
+  invalid batch whose ``error`` is ``from_buffer``'s message, and whose every
+  use (``Merger.add``, ``add_all``, ``decode``, ...) raises that
+  ``CorruptBatchError``, the merger unchanged; damage to the pickle stream
+  itself gets pickle's own ``Exception``s at worst;
 - ``Merger`` settings and ranks outside their ranges get ``ConfigError`` /
   ``RankError``, wrong argument types ``TypeError``;
 - never a Rust panic: PyO3 raises those as ``PanicException``, a
@@ -17,10 +20,12 @@ The contract checked here, for any input:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import io
 import pickle
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -406,8 +411,47 @@ def test_mutated_batches_are_corrupt(batch, how, container):
         EventBatch.from_buffer(container(bad))
 
 
+def assert_invalid_as_from_buffer(back, bad) -> None:
+    """`back`, unpickled from `bad`, is an invalid batch: it says why, and its
+    uses raise what `from_buffer(bad)` raises, changing no merger."""
+    with pytest.raises(CorruptBatchError) as refused:
+        EventBatch.from_buffer(bad)
+    message = str(refused.value)
+    assert isinstance(back, EventBatch) and back.error == message
+    assert message in repr(back)
+    m = kvmerge.Merger(2)
+    m.add(1, kvmerge.encode([AllBlocksCleared()]))
+    before = (m.stats(), m.step)
+    uses = [
+        lambda: m.add(0, back),
+        lambda: m.add_all([(0, back)]),
+        back.decode,
+        back.raw,
+        back.kinds,
+        back.identities,
+        lambda: back.take([0]),
+        lambda: back.filled([]),
+        lambda: EventBatch.concat([back, back]),
+        lambda: EventBatch.from_buffer(back),
+        lambda: len(back),
+        lambda: bytes(back),
+        lambda: back.nbytes,
+        lambda: back.elided,
+        lambda: pickle.dumps(back, protocol=5),
+    ]
+    for use in uses:
+        with pytest.raises(CorruptBatchError) as info:
+            use()
+        assert str(info.value) == message
+    with pytest.raises(BufferError):
+        memoryview(back)
+    assert (m.stats(), m.step) == before
+    m.add(0, kvmerge.encode([AllBlocksCleared()]))  # rank 0 was not added
+    assert [type(e) for e in m.finish_step()] == [AllBlocksCleared]
+
+
 @given(valid_batches, mutations, st.sampled_from([0, 2, 4, 5]))
-def test_unpickling_damaged_batch_bytes_is_corrupt(batch, how, protocol):
+def test_unpickling_damaged_batch_bytes_never_raises(batch, how, protocol):
     good = bytes(batch)
     bad = mutate(good, how)
     assume(bad != good)
@@ -415,18 +459,41 @@ def test_unpickling_damaged_batch_bytes_is_corrupt(batch, how, protocol):
         # Out of band: the damaged bytes are the buffer handed to loads().
         buffers = []
         data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
-        with pytest.raises(CorruptBatchError):
-            pickle.loads(data, buffers=[bytearray(bad)])
+        back = pickle.loads(data, buffers=[bytearray(bad)])
     else:
         # In band: the same reduction, carrying the damaged bytes.
+        rebuild = batch.__reduce_ex__(protocol)[0]
+
         class Carrier:
             def __reduce__(self):
-                return (EventBatch.from_buffer, (bad,))
+                return (rebuild, (bad,))
 
         data = pickle.dumps(Carrier(), protocol=protocol)
         assert pickle.dumps(batch, protocol=protocol) != data
-        with pytest.raises(CorruptBatchError):
-            pickle.loads(data)
+        back = pickle.loads(data)
+    assert_invalid_as_from_buffer(back, bad)
+
+
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        st.none(),
+        st.integers(),
+        st.text(max_size=4),
+        st.builds(object),
+        st.lists(st.integers(), max_size=3),
+    )
+)
+def test_the_pickle_reconstructor_never_raises(arg):
+    """Whatever a stream hands the reconstructor, it returns a batch."""
+    rebuild = kvmerge.encode([]).__reduce_ex__(5)[0]
+    back = rebuild(arg)
+    assert isinstance(back, EventBatch)
+    if back.error is None:
+        assert bytes(back) == bytes(EventBatch.from_buffer(arg))
+    else:
+        with pytest.raises(CorruptBatchError, match=re.escape(back.error)):
+            kvmerge.Merger(1).add(0, back)
 
 
 class Unpickler(pickle.Unpickler):
@@ -461,9 +528,10 @@ def test_damaged_pickle_streams_never_panic(batch, how, protocol):
         back = Unpickler(io.BytesIO(data)).load()
     except Exception:
         return
-    if isinstance(back, EventBatch):
+    if isinstance(back, EventBatch) and back.error is None:
         # The carried bytes were intact (the damage hit pickle's framing in
-        # a way that still loads): then it is the same batch.
+        # a way that still loads): then it is the same batch. Damaged bytes
+        # give an invalid batch (its error tells, its uses raise).
         assert bytes(back) == bytes(batch)
 
 
@@ -500,6 +568,239 @@ def test_writable_buffers_are_copied_and_bytes_are_borrowed():
     assert sys.getrefcount(good) == before + 1  # the batch holds the bytes
     del kept
     assert sys.getrefcount(good) == before
+
+
+class PickleBuffer(bytearray):
+    """A writable buffer whose class is merely *named* like pickle's."""
+
+    def raw(self):
+        return memoryview(bytes(self))
+
+
+class SpoofedBytes(bytes):
+    """A bytes subclass: its buffer could be another object's (``__buffer__``)."""
+
+
+def test_only_exact_immutable_types_are_borrowed():
+    """Regression (issue 12): ``from_buffer`` borrowed any object whose class
+    was named ``PickleBuffer``; a ``bytearray`` subclass so named was
+    borrowed, and writing it afterwards gave a ``PanicException``. Only
+    exact ``bytes``, ``EventBatch``, ``memoryview`` and ``pickle.PickleBuffer``
+    count now; anything else is copied."""
+    good = bytes(kvmerge.encode([AllBlocksCleared(), AllBlocksCleared()]))
+    spoof = PickleBuffer(good)
+    batch = EventBatch.from_buffer(spoof)
+    spoof[24 + 24] = 0xFF  # the first record's kind: would be unvalidated
+    spoof.extend(b"more")  # no export is held: it was copied
+    assert bytes(batch) == good and batch.kinds() == ["AllBlocksCleared"] * 2
+    assert len(batch.decode()) == 2
+    view = memoryview(PickleBuffer(good))
+    assert bytes(EventBatch.from_buffer(view)) == good
+    sub = SpoofedBytes(good)
+    before = sys.getrefcount(sub)
+    kept = EventBatch.from_buffer(sub)
+    assert sys.getrefcount(sub) == before  # copied, not held
+    # The real PickleBuffer of bytes is borrowed (pickle.loads' buffers).
+    real = pickle.PickleBuffer(good)
+    before = sys.getrefcount(good)
+    kept = EventBatch.from_buffer(real)
+    assert sys.getrefcount(good) > before
+    del kept
+
+
+# -- no panic anywhere on the public surface ----------------------------------
+
+
+def _good_batch() -> EventBatch:
+    return kvmerge.encode(
+        [
+            BlockStored(
+                block_hashes=[1, 2],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3],
+                block_size=16,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            ),
+            BlockRemoved(block_hashes=[3], medium=None),
+            AllBlocksCleared(),
+        ]
+    )
+
+
+class Spoof:
+    """Looks like a batch, a buffer, an int and a sequence, and is none."""
+
+    nbytes = 10**12
+    elided = -1
+
+    def __index__(self):
+        return 2**70
+
+    def __len__(self):
+        return 2**62
+
+    def __iter__(self):
+        return iter([self, -1, 2**64])
+
+    def __buffer__(self, flags):
+        return memoryview(bytearray(b"KVMB"))
+
+    def __bytes__(self):
+        return b"KVMB"
+
+
+hostile = st.one_of(
+    st.sampled_from(
+        [
+            None,
+            0,
+            -1,
+            1,
+            2,
+            2**31,
+            2**32,
+            2**63,
+            2**64,
+            -(2**63) - 1,
+            2**200,
+            -(2**200),
+            1.5,
+            float("nan"),
+            "",
+            "all",
+            b"",
+            b"KVMB",
+            bytearray(64),
+            memoryview(b"x" * 100)[::3],
+            [],
+            [None],
+            [2**70],
+            [-1, 0],
+            (),
+            {},
+            object(),
+            Spoof(),
+            PickleBuffer(b"KVMB"),
+            pickle.PickleBuffer(b"KVMB\x02"),
+            bytes(24),
+            bytes(2**22),  # a giant buffer of zeros
+            AllBlocksCleared(),
+            True,
+        ]
+    ),
+    st.integers(),
+    st.binary(max_size=64),
+    st.lists(st.integers(), max_size=3),
+    st.builds(lambda: _good_batch()),
+    st.builds(lambda: EventBatch.empty()),
+    st.builds(lambda: kvmerge._kvmerge.EventBatch._from_pickle(b"bad")),
+)
+
+
+def _merger_calls(m):
+    return {
+        "add": lambda *a: m.add(*a),
+        "add_all": lambda *a: m.add_all(*a),
+        "finish_step": lambda *a: m.finish_step(*a),
+        "finish_step_raw": lambda *a: m.finish_step_raw(*a),
+        "finish_step_batch": lambda *a: m.finish_step_batch(*a),
+        "stats": lambda *a: m.stats(*a),
+        "reset": lambda *a: m.reset(*a),
+        "repr": lambda *a: repr(m),
+        "attrs": lambda *a: (
+            m.world_size,
+            m.rule,
+            m.replication_factors,
+            m.max_pending_steps,
+            m.step,
+        ),
+    }
+
+
+def _batch_calls(b):
+    return {
+        "decode": lambda *a: b.decode(*a),
+        "raw": lambda *a: b.raw(*a),
+        "filled": lambda *a: b.filled(*a),
+        "kinds": lambda *a: b.kinds(*a),
+        "take": lambda *a: b.take(*a),
+        "identities": lambda *a: b.identities(*a),
+        "len": lambda *a: len(b),
+        "bytes": lambda *a: bytes(b),
+        "repr": lambda *a: repr(b),
+        "attrs": lambda *a: (b.elided, b.nbytes, b.error),
+        "reduce": lambda *a: b.__reduce_ex__(*a),
+        "pickle": lambda *a: pickle.loads(pickle.dumps(b, *a)),
+        "memoryview": lambda *a: memoryview(b),
+        "from_buffer": lambda *a: EventBatch.from_buffer(*a),
+        "_from_pickle": lambda *a: EventBatch._from_pickle(*a),
+        "concat": lambda *a: EventBatch.concat(*a),
+        "empty": lambda *a: EventBatch.empty(*a),
+    }
+
+
+def _module_calls():
+    return {
+        "encode": lambda *a, **k: kvmerge.encode(*a, **k),
+        "Merger": lambda *a, **k: kvmerge.Merger(*a, **k),
+        "_borrow_buffers": lambda *a: (
+            kvmerge._kvmerge._borrow_buffers(*a),
+            kvmerge._kvmerge._borrow_buffers(False),
+        ),
+    }
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(["merger", "batch", "stats", "module"]),
+    st.data(),
+    st.lists(hostile, max_size=3),
+    st.dictionaries(
+        st.sampled_from(
+            ["rank", "world_size", "rule", "replication_factors", "max_pending_steps"]
+        ),
+        hostile,
+        max_size=2,
+    ),
+)
+def test_no_call_on_the_public_surface_panics(target, data, args, kwargs):
+    """Every method of Merger, EventBatch, MergerStats and the module's
+    functions, with hostile arguments: only ``Exception`` subclasses may
+    escape, never PyO3's ``PanicException`` (a ``BaseException``)."""
+    m = kvmerge.Merger(2, max_pending_steps=2)
+    m.add(0, _good_batch())
+    if target == "merger":
+        calls = _merger_calls(m)
+    elif target == "batch":
+        b = data.draw(hostile.filter(lambda x: isinstance(x, EventBatch)))
+        calls = _batch_calls(b)
+    elif target == "stats":
+        st_ = m.stats()
+        calls = {
+            "as_dict": lambda *a: st_.as_dict(*a),
+            "eq": lambda *a: [st_ == x for x in a],
+            "repr": lambda *a: repr(st_),
+            "attrs": lambda *a: st_.reports + st_.pending,
+        }
+    else:
+        calls = _module_calls()
+    name = data.draw(st.sampled_from(sorted(calls)))
+    call = calls[name]
+    try:
+        if target == "module" and kwargs:
+            call(*args, **kwargs)
+        else:
+            call(*args)
+    except Exception:
+        pass
+    # Whatever happened, the merger still works and its counters add up.
+    with contextlib.suppress(kvmerge.KVMergeError):
+        m.add(1, _good_batch())
+    m.finish_step()
+    s = m.stats()
+    assert s.reports == s.consumed + s.cleared + s.expired + s.pending
 
 
 # -- Merger settings and ranks -------------------------------------------------

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvmerge._kvmerge import (
+    CapacityError,
     ConfigError,
     CorruptBatchError,
     EventBatch,
@@ -24,6 +25,7 @@ from kvmerge._kvmerge import (
 )
 
 __all__ = [
+    "CapacityError",
     "ConfigError",
     "CorruptBatchError",
     "EventBatch",

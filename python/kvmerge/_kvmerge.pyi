@@ -7,6 +7,7 @@ import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = [
+    "CapacityError",
     "ConfigError",
     "CorruptBatchError",
     "EventBatch",
@@ -48,18 +49,35 @@ class GroupError(KVMergeError, ValueError):
 class IncompleteBatchError(KVMergeError, ValueError):
     """A batch whose events' bytes other ranks carry in part: merge it, not read."""
 
+class CapacityError(KVMergeError, ValueError):
+    """A report the merger cannot take: with it, one step's merged output could
+    exceed a batch's 4 GiB limit (`Merger.add`; drop the report)."""
+
 @final
 class EventBatch:
     """An immutable, encoded batch of KV cache events with their identities.
 
     Supports the buffer protocol (its bytes are the wire format) and pickles
     as an out-of-band `pickle.PickleBuffer` with protocol 5.
+
+    Unpickling never raises for bad bytes: it gives an *invalid* batch, whose
+    `error` says why. Every other use of an invalid batch (`Merger.add`,
+    `add_all`, `decode`, `raw`, `kinds`, `take`, `len`, `bytes`, `nbytes`,
+    the buffer protocol, pickling...) raises `CorruptBatchError` with that
+    message (`BufferError` for the buffer protocol), as `from_buffer` would
+    have; `repr` does not.
     """
 
     @staticmethod
     def from_buffer(buffer: Any) -> EventBatch:
-        """A batch of a received buffer: borrowed if immutable (bytes, or read-only
-        inside `kvmerge.borrow_buffers()`), else copied."""
+        """A batch of a received buffer: borrowed if immutable (exact bytes, or
+        read-only inside `kvmerge.borrow_buffers()`), else copied. Raises
+        `CorruptBatchError` for bad bytes, `TypeError` for a non-buffer."""
+
+    @property
+    def error(self) -> str | None:
+        """Why this batch, unpickled from bad bytes, is not one (the message its
+        uses raise as `CorruptBatchError`); None for a valid batch."""
 
     @staticmethod
     def empty() -> EventBatch: ...
@@ -130,7 +148,13 @@ class Merger:
     def step(self) -> int:
         """The number of the step now being collected."""
 
-    def add(self, rank: int, batch: EventBatch) -> None: ...
+    def add(self, rank: int, batch: EventBatch) -> None:
+        """Add `rank`'s report of this step. Raises (the merger unchanged)
+        `CorruptBatchError` for an invalid batch (`EventBatch.error`),
+        `RankError`, `GroupError`, `ConfigError` (bytes left out that this rank
+        must carry), or `CapacityError` when the pending reports would carry
+        more bytes than one step's output can hold (4 GiB)."""
+
     def add_all(self, reports: Sequence[tuple[int, EventBatch]]) -> None:
         """Add several ranks' batches at once: all of them, or none on error."""
 

@@ -206,13 +206,27 @@ impl Batch {
 
     /// A new batch holding the given events of other batches, in order
     /// (an event whose bytes its batch left out stays without them).
+    ///
+    /// # Panics
+    /// If they do not fit one batch (see `try_gather`).
     pub fn gather<'a>(events: impl ExactSizeIterator<Item = (&'a Batch, usize)> + Clone) -> Batch {
+        Batch::try_gather(events).expect("gathered events fit one batch")
+    }
+
+    /// `gather`, refusing with `Error::TooLarge` (before allocating) events
+    /// that do not fit one batch: more than 4 GiB of them, or more than
+    /// 2^32 - 1.
+    pub fn try_gather<'a>(
+        events: impl ExactSizeIterator<Item = (&'a Batch, usize)> + Clone,
+    ) -> Result<Batch> {
         let n = events.len();
         let kept = events.clone().filter(|(b, i)| b.has_bytes(*i)).count();
-        let mut payload_len = array_header_len(kept);
+        let mut payload_len = array_header_len(kept) as u64;
         for (batch, i) in events.clone() {
-            payload_len += batch.record(i).len as usize;
+            payload_len += batch.record(i).len as u64;
         }
+        check_fits(n as u64, payload_len)?;
+        let payload_len = payload_len as usize;
         let mut out = Vec::with_capacity(HEADER_LEN + n * RECORD_LEN + payload_len);
         out.resize(HEADER_LEN, 0);
         let mut offset = array_header_len(kept);
@@ -238,14 +252,14 @@ impl Batch {
                 out.extend_from_slice(bytes);
             }
         }
-        finish_header(&mut out, n, payload_len).expect("gathered batches fit their own limits");
-        Batch::from_own_vec(out, n, n - kept)
+        finish_header(&mut out, n, payload_len)?;
+        Ok(Batch::from_own_vec(out, n, n - kept))
     }
 
     /// This batch with the bytes it left out taken from `sources` (any event
-    /// of the same identity: equal identities, equal bytes). `Err(i)`: event
-    /// `i`'s bytes are in none of them.
-    pub fn filled(&self, sources: &[&Batch]) -> std::result::Result<Batch, usize> {
+    /// of the same identity: equal identities, equal bytes).
+    /// `Err(FillError::Missing(i))`: event `i`'s bytes are in none of them.
+    pub fn filled(&self, sources: &[&Batch]) -> std::result::Result<Batch, FillError> {
         let mut carried: IdentityMap<(&Batch, usize)> = IdentityMap::default();
         for &b in sources.iter().chain([&self]) {
             for i in (0..b.len()).filter(|&i| b.has_bytes(i)) {
@@ -253,9 +267,14 @@ impl Batch {
             }
         }
         let picks = (0..self.len())
-            .map(|i| carried.get(&self.identity(i)).copied().ok_or(i))
-            .collect::<std::result::Result<Vec<_>, usize>>()?;
-        Ok(Batch::gather(picks.into_iter()))
+            .map(|i| {
+                carried
+                    .get(&self.identity(i))
+                    .copied()
+                    .ok_or(FillError::Missing(i))
+            })
+            .collect::<std::result::Result<Vec<_>, FillError>>()?;
+        Batch::try_gather(picks.into_iter()).map_err(FillError::TooLarge)
     }
 
     pub fn empty() -> Batch {
@@ -288,6 +307,18 @@ impl Batch {
     /// unless `elided() > 0`), as msgspec would decode it.
     pub fn payload(&self) -> &[u8] {
         &self.bytes()[self.payload_start()..]
+    }
+
+    /// The bytes of the events carried here: the payload without its array
+    /// header. What this batch can contribute to a merged output.
+    pub fn carried_len(&self) -> usize {
+        let payload = self.payload();
+        let header = match payload.first() {
+            Some(0xdc) => 3,
+            Some(0xdd) => 5,
+            _ => 1,
+        };
+        payload.len().saturating_sub(header)
     }
 
     pub fn payload_start(&self) -> usize {
@@ -346,6 +377,36 @@ impl Batch {
         self.n_events == other.n_events
             && (0..self.n_events).all(|i| self.identity(i) == other.identity(i))
     }
+}
+
+/// Why `Batch::filled` could not fill a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FillError {
+    /// Event `i`'s bytes are in none of the sources.
+    Missing(usize),
+    /// The filled batch would not fit one batch (`Error::TooLarge`).
+    TooLarge(Error),
+}
+
+/// The most bytes of events one batch holds: its payload (the events and a
+/// msgpack array header of at most 5 bytes) has a 32-bit length.
+pub const MAX_CARRIED_BYTES: u64 = u32::MAX as u64 - 5;
+
+/// Refuses, as `Error::TooLarge`, `n` events in a payload of `payload_len`
+/// bytes that one batch cannot hold (32-bit counts and offsets).
+pub fn check_fits(n: u64, payload_len: u64) -> Result<()> {
+    if n > u32::MAX as u64 {
+        return Err(Error::TooLarge(format!(
+            "{n} events exceed one batch's limit of {}",
+            u32::MAX
+        )));
+    }
+    if payload_len > u32::MAX as u64 {
+        return Err(Error::TooLarge(format!(
+            "{payload_len} bytes of events exceed one batch's 4 GiB limit"
+        )));
+    }
+    Ok(())
 }
 
 fn array_header_len(n: usize) -> usize {
@@ -571,7 +632,9 @@ mod tests {
             assert_eq!((filled.elided(), filled.payload()), (0, full.payload()));
             assert_eq!(
                 lean.filled(&[]).err(),
-                (0..40).find(|&i| !lean.has_bytes(i))
+                (0..40)
+                    .find(|&i| !lean.has_bytes(i))
+                    .map(FillError::Missing)
             );
             // Gathering keeps both kinds of records.
             let g = Batch::gather((0..40).rev().map(|i| (&lean, i)));

@@ -28,6 +28,10 @@ pub enum Error {
         group: i64,
         n_factors: usize,
     },
+    /// A batch, or one step's merged output, would exceed the format's
+    /// limits (4 GiB of events, 2^32 - 1 events): 32-bit offsets.
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -11,7 +11,7 @@ pub mod merge;
 pub mod msgpack;
 pub mod schema;
 
-pub use batch::{Backing, Batch, Record};
+pub use batch::{Backing, Batch, FillError, Record};
 pub use error::{Error, Result};
 pub use identity::Identity;
 pub use merge::{Merger, MergerConfig, Rule, Stats};

@@ -11,7 +11,7 @@ use pyo3::exceptions::{
 };
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyMemoryView, PyTuple, PyType};
 
 use crate::errors::{
     config, corrupt_batch, incomplete_batch, invalid_event, rank_out_of_range, PyKvError,
@@ -19,14 +19,16 @@ use crate::errors::{
 use crate::gil::without_gil;
 use crate::merger::{config_arg, int_arg};
 use crate::schema::schema;
+use kvmerge_core::FillError;
 
 /// A received Python buffer whose memory cannot change (see
 /// `immutable_exporter`), borrowed for as long as the batch lives.
 struct Borrowed(PyUntypedBuffer);
 
-// SAFETY: only buffers of immutable exporters are borrowed: `bytes`, or an
+// SAFETY: only buffers of immutable exporters are borrowed: exact `bytes`
+// (a subclass may export other memory through `__buffer__`), or an
 // `EventBatch` (itself backed by immutable memory), possibly seen through
-// memoryviews or a `PickleBuffer`; or, inside `kvmerge.borrow_buffers()`, a
+// exact memoryviews or exact `pickle.PickleBuffer`s; or, inside `kvmerge.borrow_buffers()`, a
 // read-only buffer the caller vouches for (a sealed Ray plasma object). The
 // held export keeps the exporter alive, and nothing writes to its memory.
 // Anything else (a `bytearray`, which Python code may still modify in place
@@ -38,23 +40,41 @@ unsafe impl Backing for Borrowed {
     }
 }
 
+/// `pickle.PickleBuffer`, the type itself (looked up once).
+fn pickle_buffer_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
+    static CELL: pyo3::sync::PyOnceLock<Py<PyType>> = pyo3::sync::PyOnceLock::new();
+    CELL.get_or_try_init(py, || -> PyResult<_> {
+        Ok(py
+            .import("pickle")?
+            .getattr("PickleBuffer")?
+            .cast_into::<PyType>()?
+            .unbind())
+    })
+    .ok()
+    .map(|t| t.bind(py))
+}
+
 /// Whether the memory behind `obj`'s buffer is immutable for as long as it
 /// is exported: `bytes` and `EventBatch`, directly or through memoryviews
 /// and `PickleBuffer`s (what `pickle.loads(..., buffers=...)` passes on).
-/// A `bytearray` is not: Python code could still write it while the merge
-/// reads it without the GIL. Nor is Ray's `SubBuffer`: the same type views
-/// sealed plasma objects and reusable compiled-graph channels.
+/// Exact types only: a subclass (of `bytes`, or any class merely *named*
+/// `PickleBuffer`, e.g. a `bytearray` subclass) may export memory that
+/// Python code still writes, so it is copied. A `bytearray` is not
+/// immutable: Python code could still write it while the merge reads it
+/// without the GIL. Nor is Ray's `SubBuffer`: the same type views sealed
+/// plasma objects and reusable compiled-graph channels.
 fn immutable_exporter(obj: &Bound<'_, PyAny>) -> bool {
+    let py = obj.py();
     let mut obj = obj.clone();
     // memoryview.obj of a view of a view names the original exporter; the
     // bound only guards against exotic chains.
     for _ in 0..4 {
-        if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyEventBatch>() {
+        if obj.is_exact_instance_of::<PyBytes>() || obj.is_exact_instance_of::<PyEventBatch>() {
             return true;
         }
-        let inner = if obj.is_instance_of::<PyMemoryView>() {
+        let inner = if obj.is_exact_instance_of::<PyMemoryView>() {
             obj.getattr("obj")
-        } else if obj.get_type().name().is_ok_and(|n| n == "PickleBuffer") {
+        } else if pickle_buffer_type(py).is_some_and(|t| obj.get_type().is(t)) {
             obj.call_method0("raw").and_then(|view| view.getattr("obj"))
         } else {
             return false;
@@ -93,12 +113,78 @@ fn vouched() -> bool {
 
 #[pyclass(module = "kvmerge", frozen, name = "EventBatch")]
 pub struct PyEventBatch {
-    pub(crate) inner: Arc<Batch>,
+    /// The batch; the empty batch when `error` is set (never read then).
+    inner: Arc<Batch>,
+    /// Why the buffer this batch was unpickled from is not a batch: the
+    /// `CorruptBatchError` message, raised by every use of its events.
+    error: Option<String>,
+}
+
+/// Why a buffer did not make a batch.
+enum Refusal {
+    /// Not a buffer at all (`TypeError` from `from_buffer`).
+    NotABuffer(String),
+    /// A buffer, but not a valid batch (`CorruptBatchError`).
+    Corrupt(String),
 }
 
 impl PyEventBatch {
     pub fn new(inner: Arc<Batch>) -> Self {
-        PyEventBatch { inner }
+        PyEventBatch { inner, error: None }
+    }
+
+    /// A batch unpickled from bad bytes: it only remembers why.
+    fn invalid(message: String) -> Self {
+        PyEventBatch {
+            inner: Arc::new(Batch::empty()),
+            error: Some(message),
+        }
+    }
+
+    /// The batch, or the `CorruptBatchError` it was unpickled with.
+    pub(crate) fn batch(&self, py: Python<'_>) -> PyResult<&Arc<Batch>> {
+        match &self.error {
+            None => Ok(&self.inner),
+            Some(message) => Err(corrupt_batch(py, message.clone())),
+        }
+    }
+
+    /// `from_buffer`'s work, its refusals as values.
+    fn load(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> Result<Self, Refusal> {
+        // A batch is its own buffer: share it (and an invalid one's error).
+        if let Ok(batch) = buffer.cast_exact::<PyEventBatch>() {
+            let b = batch.get();
+            return match &b.error {
+                None => Ok(PyEventBatch::new(b.inner.clone())),
+                Some(message) => Err(Refusal::Corrupt(message.clone())),
+            };
+        }
+        // Not bytes-like at all: a wrong argument type, as for memoryview().
+        let buf = PyUntypedBuffer::get(buffer).map_err(|_| {
+            Refusal::NotABuffer(format!(
+                "EventBatch.from_buffer needs a bytes-like object, not {}",
+                type_name(buffer)
+            ))
+        })?;
+        if !buf.is_c_contiguous() || buf.item_size() != 1 {
+            return Err(Refusal::Corrupt(
+                "the buffer is not contiguous bytes".into(),
+            ));
+        }
+        let borrow = immutable_exporter(buffer) || (buf.readonly() && vouched());
+        let backing: Box<dyn Backing> = if borrow {
+            Box::new(Borrowed(buf))
+        } else {
+            // Copied with the GIL held, so no Python thread writes meanwhile;
+            // once copied, later writes to the buffer cannot reach the batch.
+            // SAFETY: the export is held, contiguous, `len_bytes` long.
+            let bytes =
+                unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+            Box::new(bytes.to_vec())
+        };
+        let batch = without_gil(py, || Batch::from_backing(backing))
+            .map_err(|e| Refusal::Corrupt(e.to_string()))?;
+        Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
     fn memoryview<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyMemoryView>> {
@@ -139,7 +225,7 @@ fn require_bytes(py: Python<'_>, batch: &Batch) -> PyResult<()> {
 
 /// One `msgspec.Raw` per event.
 pub fn raw_events<'py>(slf: &Bound<'py, PyEventBatch>) -> PyResult<Bound<'py, PyList>> {
-    let batch = &slf.get().inner;
+    let batch = slf.get().batch(slf.py())?;
     require_bytes(slf.py(), batch)?;
     raw_list(
         slf.py(),
@@ -169,32 +255,31 @@ impl PyEventBatch {
     /// a view of them), from a private copy otherwise.
     #[staticmethod]
     fn from_buffer(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<Self> {
-        // Not bytes-like at all: a wrong argument type, as for memoryview().
-        let buf = PyUntypedBuffer::get(buffer).map_err(|_| {
-            PyTypeError::new_err(format!(
-                "EventBatch.from_buffer needs a bytes-like object, not {}",
-                type_name(buffer)
-            ))
-        })?;
-        if !buf.is_c_contiguous() || buf.item_size() != 1 {
-            return Err(corrupt_batch(
-                py,
-                "the buffer is not contiguous bytes".into(),
-            ));
-        }
-        let borrow = immutable_exporter(buffer) || (buf.readonly() && vouched());
-        let backing: Box<dyn Backing> = if borrow {
-            Box::new(Borrowed(buf))
-        } else {
-            // Copied with the GIL held, so no Python thread writes meanwhile;
-            // once copied, later writes to the buffer cannot reach the batch.
-            // SAFETY: the export is held, contiguous, `len_bytes` long.
-            let bytes =
-                unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
-            Box::new(bytes.to_vec())
-        };
-        let batch = without_gil(py, || Batch::from_backing(backing)).map_err(PyKvError::from)?;
-        Ok(PyEventBatch::new(Arc::new(batch)))
+        PyEventBatch::load(py, buffer).map_err(|refusal| match refusal {
+            Refusal::NotABuffer(message) => PyTypeError::new_err(message),
+            Refusal::Corrupt(message) => corrupt_batch(py, message),
+        })
+    }
+
+    /// The pickle reconstructor: `from_buffer` that never raises for what
+    /// it is given. Unpickling runs inside vLLM's message queue, before any
+    /// code could drop one rank's report; so bad bytes give a batch that
+    /// remembers why (`error`), and raises `CorruptBatchError` with that
+    /// message when its events are used (`Merger.add`, `decode`, ...).
+    #[staticmethod]
+    fn _from_pickle(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> Self {
+        PyEventBatch::load(py, buffer).unwrap_or_else(|refusal| match refusal {
+            Refusal::NotABuffer(message) | Refusal::Corrupt(message) => {
+                PyEventBatch::invalid(message)
+            }
+        })
+    }
+
+    /// Why this batch, unpickled from bad bytes, is not one (the message
+    /// its uses raise as `CorruptBatchError`); None for a valid batch.
+    #[getter]
+    fn error(&self) -> Option<&str> {
+        self.error.as_deref()
     }
 
     #[staticmethod]
@@ -204,11 +289,12 @@ impl PyEventBatch {
 
     /// The events, equal to the encoded ones, in order.
     pub(crate) fn decode<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        require_bytes(slf.py(), &slf.get().inner)?;
+        let py = slf.py();
+        let batch = slf.get().batch(py)?;
+        require_bytes(py, batch)?;
         let view = Self::memoryview(slf)?;
-        let start = slf.get().inner.payload_start() as isize;
-        let payload = view.get_item(PySlice::new(slf.py(), start, isize::MAX, 1))?;
-        decode_events(slf.py(), &payload)
+        let payload = view.get_item(payload_slice(py, batch.payload_start())?)?;
+        decode_events(py, &payload)
     }
 
     /// Each event's msgpack encoding, ready for a msgspec encoder.
@@ -220,35 +306,39 @@ impl PyEventBatch {
     /// ranks' batches of the same step and child), by identity.
     fn filled(slf: &Bound<'_, Self>, sources: Vec<Bound<'_, PyEventBatch>>) -> PyResult<Self> {
         let py = slf.py();
-        let me = &slf.get().inner;
+        let me = slf.get().batch(py)?;
+        let inners: Vec<Arc<Batch>> = sources
+            .iter()
+            .map(|b| b.get().batch(py).cloned())
+            .collect::<PyResult<_>>()?;
         if me.elided() == 0 {
             return Ok(PyEventBatch::new(me.clone()));
         }
-        let inners: Vec<Arc<Batch>> = sources.iter().map(|b| b.get().inner.clone()).collect();
         let refs: Vec<&Batch> = inners.iter().map(|b| &**b).collect();
-        let batch = without_gil(py, || me.filled(&refs)).map_err(|i| {
-            incomplete_batch(
+        let batch = without_gil(py, || me.filled(&refs)).map_err(|e| match e {
+            FillError::Missing(i) => incomplete_batch(
                 py,
                 format!(
                     "event {i} was sent without its bytes, and none of the {} batches \
                      given carries them",
                     refs.len()
                 ),
-            )
+            ),
+            FillError::TooLarge(e) => PyValueError::new_err(format!("filled: {e}")),
         })?;
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
     /// Each event's class name ("BlockStored", "BlockRemoved", "AllBlocksCleared").
-    fn kinds(&self) -> Vec<&'static str> {
-        (0..self.inner.len())
-            .map(|i| self.inner.kind(i).name())
-            .collect()
+    fn kinds(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
+        let batch = self.batch(py)?;
+        Ok((0..batch.len()).map(|i| batch.kind(i).name()).collect())
     }
 
     /// A new batch of the events at `indices`, in that order (no decoding).
     fn take(&self, py: Python<'_>, indices: Vec<Bound<'_, PyAny>>) -> PyResult<Self> {
-        let n = self.inner.len();
+        let me = self.batch(py)?;
+        let n = me.len();
         let out_of_range = |i: &dyn std::fmt::Display| {
             PyIndexError::new_err(format!("index {i} out of range for {n} events"))
         };
@@ -273,15 +363,16 @@ impl PyEventBatch {
         // rather than let the gather fail on it.
         let total: u64 = idx
             .iter()
-            .map(|&i| self.inner.event_range(i).map_or(0, |r| r.len() as u64))
+            .map(|&i| me.event_range(i).map_or(0, |r| r.len() as u64))
             .sum();
         if total > u32::MAX as u64 {
             return Err(PyValueError::new_err(format!(
                 "take: {total} bytes of events exceed one batch's 4 GiB limit"
             )));
         }
-        let inner = &*self.inner;
-        let batch = without_gil(py, || Batch::gather(idx.iter().map(|&i| (inner, i))));
+        let inner = &**me;
+        let batch = without_gil(py, || Batch::try_gather(idx.iter().map(|&i| (inner, i))))
+            .map_err(|e| PyValueError::new_err(format!("take: {e}")))?;
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
@@ -290,7 +381,10 @@ impl PyEventBatch {
     /// add as that rank's single report of the step.
     #[staticmethod]
     fn concat(py: Python<'_>, batches: Vec<Bound<'_, PyEventBatch>>) -> PyResult<Self> {
-        let inners: Vec<Arc<Batch>> = batches.iter().map(|b| b.get().inner.clone()).collect();
+        let inners: Vec<Arc<Batch>> = batches
+            .iter()
+            .map(|b| b.get().batch(py).cloned())
+            .collect::<PyResult<_>>()?;
         if let [only] = &inners[..] {
             return Ok(PyEventBatch::new(only.clone()));
         }
@@ -305,60 +399,65 @@ impl PyEventBatch {
                 .iter()
                 .flat_map(|b| (0..b.len()).map(move |i| (&**b, i)))
                 .collect();
-            Batch::gather(events.iter().copied())
-        });
+            Batch::try_gather(events.iter().copied())
+        })
+        .map_err(|e| PyValueError::new_err(format!("concat: {e}")))?;
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
     /// Each event's 16-byte identity.
     fn identities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            self.inner.identities().map(|id| PyBytes::new(py, &id.0)),
-        )
+        let batch = self.batch(py)?;
+        PyList::new(py, batch.identities().map(|id| PyBytes::new(py, &id.0)))
     }
 
     /// How many events' bytes this batch left to other ranks (`encode` with
     /// a rank): such a batch can be merged, not read.
     #[getter]
-    fn elided(&self) -> usize {
-        self.inner.elided()
+    fn elided(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.batch(py)?.elided())
     }
 
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.inner.bytes().len()
+    fn nbytes(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.batch(py)?.bytes().len())
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.len()
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.batch(py)?.len())
     }
 
-    fn __bytes__<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, self.inner.bytes())
+    fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, self.batch(py)?.bytes()))
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "<EventBatch events={} nbytes={}>",
-            self.inner.len(),
-            self.inner.bytes().len()
-        )
+        match &self.error {
+            Some(message) => format!("<EventBatch invalid: {message}>"),
+            None => format!(
+                "<EventBatch events={} nbytes={}>",
+                self.inner.len(),
+                self.inner.bytes().len()
+            ),
+        }
     }
 
     /// Protocol 5 hands the bytes over as an out-of-band `PickleBuffer`;
     /// older protocols copy them into the pickle as `bytes`.
+    /// The reconstructor is `_from_pickle`: unpickling never raises for the
+    /// batch's bytes. An invalid batch does not pickle (`CorruptBatchError`).
     fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i64) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
-        let from_buffer = py.get_type::<PyEventBatch>().getattr("from_buffer")?;
+        let batch = slf.get().batch(py)?;
+        let rebuild = py.get_type::<PyEventBatch>().getattr("_from_pickle")?;
         let payload = if protocol >= 5 {
             py.import("pickle")?
                 .getattr("PickleBuffer")?
                 .call1((slf,))?
         } else {
-            PyBytes::new(py, slf.get().inner.bytes()).into_any()
+            PyBytes::new(py, batch.bytes()).into_any()
         };
-        PyTuple::new(py, [from_buffer, PyTuple::new(py, [payload])?.into_any()])
+        PyTuple::new(py, [rebuild, PyTuple::new(py, [payload])?.into_any()])
     }
 
     /// Read-only export of the wire bytes; the export keeps `self` alive.
@@ -372,6 +471,11 @@ impl PyEventBatch {
         }
         if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
             return Err(PyBufferError::new_err("EventBatch is read-only"));
+        }
+        if let Some(message) = &slf.get().error {
+            return Err(PyBufferError::new_err(format!(
+                "this EventBatch is invalid: {message}"
+            )));
         }
         let bytes = slf.get().inner.bytes();
         // SAFETY: `bytes` lives as long as `slf`, which the view references.
@@ -389,6 +493,21 @@ impl PyEventBatch {
             return Err(PyErr::fetch(slf.py()));
         }
         Ok(())
+    }
+}
+
+/// `slice(start, None)`. Not `PySlice::new`: under pyo3 0.30 it never
+/// releases the ints it makes for its bounds (36-64 bytes per call, for
+/// every `decode` and `Merger.finish_step`).
+fn payload_slice(py: Python<'_>, start: usize) -> PyResult<Bound<'_, PyAny>> {
+    let start = start.into_pyobject(py)?;
+    // SAFETY: PySlice_New borrows its arguments (and takes its own
+    // references); it returns a new reference or NULL with an exception set.
+    unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            ffi::PySlice_New(start.as_ptr(), std::ptr::null_mut(), std::ptr::null_mut()),
+        )
     }
 }
 

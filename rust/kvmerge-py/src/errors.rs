@@ -72,6 +72,13 @@ subclass!(
     "A `BlockStored.group_idx` without a replication factor (rule \"quorum\")."
 );
 
+subclass!(
+    capacity_error,
+    "CapacityError",
+    PyValueError,
+    "A report the merger cannot take: with it, one step's merged output could exceed a batch's 4 GiB limit."
+);
+
 /// A core error on its way to Python (polars' `PyPolarsErr` pattern).
 pub struct PyKvError(pub Error);
 
@@ -99,6 +106,7 @@ impl From<PyKvError> for PyErr {
                 Error::Config(_) => config_error(py),
                 Error::RankOutOfRange { .. } | Error::DuplicateRank { .. } => rank_error(py),
                 Error::GroupOutOfRange { .. } => group_error(py),
+                Error::TooLarge(_) => capacity_error(py),
             };
             raise(class, message)
         })

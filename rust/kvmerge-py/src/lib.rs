@@ -22,6 +22,7 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RankError", errors::rank_error(py)?)?;
     m.add("GroupError", errors::group_error(py)?)?;
     m.add("IncompleteBatchError", errors::incomplete_batch_error(py)?)?;
+    m.add("CapacityError", errors::capacity_error(py)?)?;
     m.add_class::<batch::PyEventBatch>()?;
     m.add_class::<merger::PyMerger>()?;
     m.add_class::<merger::PyMergerStats>()?;

@@ -112,8 +112,10 @@ impl PyMerger {
         rank: &Bound<'_, PyAny>,
         batch: &Bound<'_, PyEventBatch>,
     ) -> PyResult<()> {
+        // A batch unpickled from bad bytes is refused first, as from_buffer
+        // would have refused it: the caller drops this rank's report.
+        let batch = batch.get().batch(py)?.clone();
         let rank = self.rank_arg(rank)?;
-        let batch = batch.get().inner.clone();
         without_gil(py, || self.lock().add(rank, batch)).map_err(|e| PyKvError::from(e).into())
     }
 
@@ -125,7 +127,10 @@ impl PyMerger {
     ) -> PyResult<()> {
         let reports = reports
             .into_iter()
-            .map(|(r, b)| Ok((self.rank_arg(&r)?, b.get().inner.clone())))
+            .map(|(r, b)| {
+                let batch = b.get().batch(py)?.clone();
+                Ok((self.rank_arg(&r)?, batch))
+            })
             .collect::<PyResult<Vec<_>>>()?;
         without_gil(py, || self.lock().add_all(reports)).map_err(|e| PyKvError::from(e).into())
     }

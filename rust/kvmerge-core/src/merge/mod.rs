@@ -18,7 +18,7 @@ pub use config::{MergerConfig, Rule, MAX_WORLD_SIZE};
 pub use published::Published;
 pub use stats::Stats;
 
-use crate::batch::Batch;
+use crate::batch::{Batch, MAX_CARRIED_BYTES};
 use crate::error::{Error, Result};
 use crate::identity::Identity;
 use crate::schema::EventKind;
@@ -72,6 +72,8 @@ pub struct Merger {
     cfg: MergerConfig,
     step: u64,
     incoming: Vec<Option<Arc<Batch>>>,
+    /// The incoming batches' carried bytes and reports (see `Slots::load`).
+    incoming_load: (u64, u64),
     queues: Vec<VecDeque<Report>>,
     slots: Slots,
     stats: Stats,
@@ -86,6 +88,7 @@ impl Merger {
             cfg,
             step: 0,
             incoming: vec![None; w],
+            incoming_load: (0, 0),
             queues: vec![VecDeque::new(); w],
             slots: Slots::default(),
             stats: Stats::default(),
@@ -114,7 +117,7 @@ impl Merger {
     /// Records `rank`'s batch for this step. Checks everything first, so a
     /// rejected call changes nothing.
     pub fn add(&mut self, rank: i64, batch: Arc<Batch>) -> Result<()> {
-        let r = self.check(rank, &batch, &[])?;
+        let r = self.check(rank, &batch, &[], (0, 0))?;
         self.commit(r, batch);
         Ok(())
     }
@@ -123,8 +126,13 @@ impl Merger {
     /// error) none.
     pub fn add_all(&mut self, reports: Vec<(i64, Arc<Batch>)>) -> Result<()> {
         let mut ranks = Vec::with_capacity(reports.len());
+        let mut load = (0, 0);
         for (rank, batch) in &reports {
-            ranks.push(self.check(*rank, batch, &ranks)?);
+            ranks.push(self.check(*rank, batch, &ranks, load)?);
+            load = (
+                load.0 + batch.carried_len() as u64,
+                load.1 + batch.len() as u64,
+            );
         }
         for (r, (_, batch)) in ranks.into_iter().zip(reports) {
             self.commit(r, batch);
@@ -132,8 +140,15 @@ impl Merger {
         Ok(())
     }
 
-    /// Validates one report; `also_taken` are ranks about to be added with it.
-    fn check(&self, rank: i64, batch: &Batch, also_taken: &[usize]) -> Result<usize> {
+    /// Validates one report; `also_taken` are ranks about to be added with
+    /// it, `also_load` their carried bytes and reports.
+    fn check(
+        &self,
+        rank: i64,
+        batch: &Batch,
+        also_taken: &[usize],
+        also_load: (u64, u64),
+    ) -> Result<usize> {
         let world_size = self.cfg.world_size;
         let r = usize::try_from(rank)
             .ok()
@@ -163,7 +178,33 @@ impl Merger {
         if batch.elided() > 0 {
             self.check_elided(r, batch)?;
         }
+        self.check_load(r, batch, also_load)?;
         Ok(r)
+    }
+
+    /// One step's output is one batch, so it must fit one (32-bit offsets
+    /// and counts). Each publication takes its bytes from a report it
+    /// consumes, and every pending report sits in a live slot or an incoming
+    /// batch: so if the bytes carried by those batches, and their reports,
+    /// fit one batch, so does any step's output. A report that would break
+    /// that bound is refused (the caller drops it), before anything changes.
+    fn check_load(&self, rank: usize, batch: &Batch, also_load: (u64, u64)) -> Result<()> {
+        let (slot_bytes, slot_reports) = self.slots.load();
+        let bytes = slot_bytes + self.incoming_load.0 + also_load.0 + batch.carried_len() as u64;
+        let reports = slot_reports + self.incoming_load.1 + also_load.1 + batch.len() as u64;
+        if bytes > MAX_CARRIED_BYTES || reports > u32::MAX as u64 {
+            return Err(Error::TooLarge(format!(
+                "rank {rank}'s batch ({} events, {} bytes of events) would leave the merger \
+                 holding {reports} reports and {bytes} bytes of events, more than one step's \
+                 merged output can hold ({} events, {MAX_CARRIED_BYTES} bytes): refused, so \
+                 that no step's output overflows; drop this report (or lower \
+                 max_pending_steps)",
+                batch.len(),
+                batch.carried_len(),
+                u32::MAX,
+            )));
+        }
+        Ok(())
     }
 
     /// A rank may leave out only bytes other ranks are bound to carry: then
@@ -193,6 +234,8 @@ impl Merger {
     fn commit(&mut self, r: usize, batch: Arc<Batch>) {
         self.stats.batches += 1;
         self.stats.reports += batch.len() as u64;
+        self.incoming_load.0 += batch.carried_len() as u64;
+        self.incoming_load.1 += batch.len() as u64;
         self.incoming[r] = Some(batch);
     }
 
@@ -230,6 +273,7 @@ impl Merger {
             }
         };
         self.incoming.iter_mut().for_each(|b| *b = None);
+        self.incoming_load = (0, 0);
         self.step += 1;
         self.stats.steps += 1;
         self.stats.published += out.len() as u64;
@@ -242,6 +286,7 @@ impl Merger {
         let dropped = self.stats().pending;
         self.stats.cleared += dropped;
         self.incoming.iter_mut().for_each(|b| *b = None);
+        self.incoming_load = (0, 0);
         self.queues.iter_mut().for_each(VecDeque::clear);
         self.slots = Slots::default();
     }

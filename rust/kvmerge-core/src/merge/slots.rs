@@ -10,10 +10,17 @@ use crate::batch::Batch;
 pub(super) struct Slots {
     entries: Vec<Option<(Arc<Batch>, u32)>>,
     free: Vec<u32>,
+    /// Over the live slots: the bytes of events their batches carry, and
+    /// the reports that point into them. Every pending report is in a live
+    /// slot, so these bound what the pending reports can publish.
+    carried: u64,
+    reports: u64,
 }
 
 impl Slots {
     pub fn insert(&mut self, batch: Arc<Batch>, live: u32) -> u32 {
+        self.carried += batch.carried_len() as u64;
+        self.reports += live as u64;
         match self.free.pop() {
             Some(slot) => {
                 self.entries[slot as usize] = Some((batch, live));
@@ -38,10 +45,18 @@ impl Slots {
     pub fn release(&mut self, slot: u32) {
         let entry = self.entries[slot as usize].as_mut().expect("live slot");
         entry.1 -= 1;
+        self.reports -= 1;
         if entry.1 == 0 {
+            self.carried -= entry.0.carried_len() as u64;
             self.entries[slot as usize] = None;
             self.free.push(slot);
         }
+    }
+
+    /// Bytes of events carried by the live slots' batches, and the reports
+    /// pointing into them.
+    pub fn load(&self) -> (u64, u64) {
+        (self.carried, self.reports)
     }
 
     #[cfg(test)]

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 
 use super::*;
-use crate::testing::{batch, clear, payload, removed, stored, with_field, Ev};
+use crate::testing::{batch, clear, payload, removed, stored, stored_with, with_field, Ev};
 
 fn merger(w: usize, rule: Rule, factors: Option<Vec<u32>>, pending: u64) -> Merger {
     Merger::new(MergerConfig {
@@ -500,4 +500,66 @@ fn world_size_is_bounded() {
     }
     let m = Merger::new(MergerConfig::new(MAX_WORLD_SIZE, Rule::Any)).unwrap();
     assert_eq!(m.config().world_size, MAX_WORLD_SIZE);
+}
+
+/// One step's output is one batch (32-bit offsets). Reported by issue 12:
+/// world 2, rule "all", one rank adding the same 4 MiB event for 1,024
+/// steps, then the other rank's batch completing all of them, made a merged
+/// output over 4 GiB, and `finish_step` panicked building it. Now the report
+/// that would let the pending reports' bytes exceed one batch is refused,
+/// with nothing changed.
+#[test]
+fn pending_bytes_are_bounded_by_one_output_batch() {
+    // About 4 MiB of bytes (one Arc: the adds share it, memory stays small).
+    let big = Arc::new(batch(&[stored_with(7, None, 466_034, 0)]));
+    let e = big.carried_len() as u64;
+    assert!(e > 4 << 20, "{e}");
+    let fits = MAX_CARRIED_BYTES / e;
+    let mut m = merger(2, Rule::All, None, 4096);
+    for _ in 0..fits {
+        m.add(0, big.clone()).unwrap();
+        assert!(m.finish_step().is_empty());
+    }
+    let before = m.stats();
+    let step = m.step();
+    let err = m.add(0, big.clone()).unwrap_err();
+    assert!(
+        matches!(&err, Error::TooLarge(msg) if msg.contains("drop this report")),
+        "{err:?}"
+    );
+    let err = m
+        .add_all(vec![(1, Arc::new(Batch::empty())), (0, big.clone())])
+        .unwrap_err();
+    assert!(matches!(err, Error::TooLarge(_)), "{err:?}");
+    assert_eq!((m.stats(), m.step()), (before, step));
+    // Small reports still fit (conservatively, the bound counts every
+    // carried copy: the other rank's copy of the big event would not).
+    m.add(0, Arc::new(batch(&[removed(1)]))).unwrap();
+    assert!(matches!(m.add(1, big.clone()), Err(Error::TooLarge(_))));
+    m.add(1, Arc::new(batch(&[removed(1)]))).unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&[removed(1)]));
+    m.reset();
+    assert_eq!(m.slots.load(), (0, 0));
+    m.add(0, big.clone()).unwrap();
+}
+
+/// The load the bound reads goes back to zero when the reports go.
+#[test]
+fn slot_load_follows_the_pending_reports() {
+    for rule in [Rule::All, Rule::Quorum, Rule::Any] {
+        let factors = (rule == Rule::Quorum).then(|| vec![1]);
+        let mut m = merger(3, rule, factors, 2);
+        let a = Arc::new(batch(&[removed(1), stored(2, Some(0)), clear()]));
+        let b = Arc::new(batch(&[removed(1), removed(3)]));
+        m.add(0, a.clone()).unwrap();
+        m.add(1, b.clone()).unwrap();
+        m.finish_step();
+        m.add(2, a.clone()).unwrap();
+        m.finish_step();
+        for _ in 0..3 {
+            m.finish_step();
+        }
+        assert_eq!(m.stats().pending, 0, "{rule:?}");
+        assert_eq!((m.slots.load(), m.incoming_load), ((0, 0), (0, 0)));
+    }
 }
