@@ -16,7 +16,10 @@ worker's ``kvmerge.encode`` and the scheduler's merge.
 Pickling (the executor's shm ``MessageQueue`` pickles with the highest protocol
 and a ``buffer_callback``) keeps the ``EventBatch`` objects as they are: each
 reduces to a protocol-5 ``PickleBuffer`` of its wire bytes, which travels out
-of band when large, and is rebuilt with ``EventBatch.from_buffer`` on receipt.
+of band when large. On receipt a batch is rebuilt unchecked by raising nothing
+(``EventBatch._from_pickle``: a damaged one remembers why in ``.error``), and
+reports likewise (``_from_wire``): unpickling runs inside vLLM's message queue,
+where an exception is fatal, and the scheduler side drops just that report.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class WorkerReport:
             return f"a native lane carries {type(payload).__name__}"
         if not isinstance(payload, EventBatch):
             return f"a {kind} lane carries {type(payload).__name__}, not EventBatch"
-        return getattr(payload, "error", None)
+        return payload.error
 
     @property
     def num_lanes(self) -> int:
