@@ -497,7 +497,8 @@ class KVMergeMultiConnector(MultiConnector):
         for report in reports:
             why = self._report_problem(report, by_rank)
             if why is not None:
-                self._refusals.refuse_report(self._lanes, report.rank, why)
+                rank = getattr(report, "rank", "?")
+                self._refusals.refuse_report(self._lanes, rank, why)
                 continue
             by_rank[report.rank] = report
         ordered = [by_rank[rank] for rank in sorted(by_rank)]

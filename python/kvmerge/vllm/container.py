@@ -31,7 +31,7 @@ from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from kvmerge import EventBatch
 
-from .rules import KIND_NATIVE, KIND_REFUSED
+from .rules import ENCODED_KINDS, KIND_NATIVE, KIND_REFUSED
 from .settings import WorkerSettings
 
 #: One lane's payload: an encoded batch, the child's own container, or None
@@ -89,14 +89,25 @@ class WorkerReport:
     def lane_problem(self, lane: int) -> str | None:
         """Why lane ``lane`` of this report cannot be merged, or None."""
         kind, payload = self.kinds[lane], self.payloads[lane]
+        factors = self.factors[lane]
         if kind is None:
             return None if payload is None else "a payload without a kind"
+        if type(kind) is not str:
+            return f"a lane kind of type {type(kind).__name__}"
         if kind == KIND_REFUSED:
-            return f"the worker could not encode it: {payload}"
+            return f"the worker could not encode it: {str(payload)[:500]}"
         if kind == KIND_NATIVE:
             if isinstance(payload, KVConnectorKVEvents):
                 return None
             return f"a native lane carries {type(payload).__name__}"
+        if kind not in ENCODED_KINDS:
+            return f"an unknown lane kind {kind[:50]!r}"
+        if factors is not None and not (
+            type(factors) is tuple
+            and factors
+            and all(type(f) is int and f >= 1 for f in factors)
+        ):
+            return f"replication factors {str(factors)[:100]} are not positive ints"
         if not isinstance(payload, EventBatch):
             return f"a {kind} lane carries {type(payload).__name__}, not EventBatch"
         return payload.error

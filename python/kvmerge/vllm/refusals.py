@@ -35,6 +35,8 @@ class Refusals:
 
     def refuse(self, lane: Lane, rank: Any, why: str) -> None:
         lane.refused += 1
+        if type(rank) is not int:  # what a damaged report claims: as text
+            rank = repr(rank)[:50]
         key = (lane.label, rank)
         self._this_step.add(key)
         incident = self._open.get(key)

@@ -57,6 +57,8 @@ KIND_OTHER: Final = "other"
 KIND_NATIVE: Final = "native"
 #: The worker could not encode the child's events: the payload says why.
 KIND_REFUSED: Final = "refused"
+#: Kinds whose lane carries an ``EventBatch``.
+ENCODED_KINDS: Final = frozenset({KIND_LMCACHE, KIND_MOONCAKE, KIND_UMBP, KIND_OTHER})
 
 _KNOWN_CONTAINERS: Final = (
     (

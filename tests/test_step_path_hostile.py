@@ -1,0 +1,168 @@
+"""Nothing one worker sends makes the scheduler's step path raise.
+
+vLLM treats an exception in ``update_connector_output`` / ``take_events`` as
+fatal to the engine. Hypothesis builds reports as a damaged message or another
+kvmerge could deliver them (through ``_from_wire``, as unpickling does: any
+field of any type, damaged batches, foreign containers, odd settings) and
+hands them, beside a good report of the other rank, to the real scheduler
+connector as vLLM's aggregator would. Nothing may raise, the good rank's
+events must still publish under rule "any", and every bad lane is counted.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.v1.outputs import KVConnectorOutput
+from vllm_children import ThirdPartyKVEvents
+from vllm_harness import Bus, Cluster, child, stored, worker_output
+
+import kvmerge
+from kvmerge.vllm import KVMergeKVEvents, register
+from kvmerge.vllm.container import _from_wire
+from kvmerge.vllm.settings import WorkerSettings
+
+pytestmark = pytest.mark.vllm
+
+
+def damaged_batch() -> kvmerge.EventBatch:
+    good = kvmerge.encode([stored(5)])
+    raw = bytearray(bytes(good))
+    raw[len(raw) // 2] ^= 0xFF
+    data = pickle.dumps(good, protocol=5, buffer_callback=lambda b: False)
+    batch = pickle.loads(data, buffers=[raw])
+    assert batch.error is not None
+    return batch
+
+
+anything = st.one_of(
+    st.none(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=3),
+    st.sampled_from(["lmcache", "umbp", "mooncake", "other", "native", "refused"]),
+)
+payloads = st.one_of(
+    anything,
+    st.builds(lambda: kvmerge.encode([stored(7)])),
+    st.builds(kvmerge.EventBatch.empty),
+    st.builds(damaged_batch),
+    st.builds(lambda: KVMergeKVEvents()),
+)
+factors = st.one_of(
+    st.none(), st.tuples(st.integers(-2, 3)), st.lists(st.integers(0, 2)), anything
+)
+lane_tuples = st.integers(0, 3).flatmap(
+    lambda n: st.tuples(
+        st.tuples(*[anything] * n),
+        st.tuples(*[payloads] * n),
+        st.tuples(*[factors] * n),
+    )
+)
+worker_settings = st.one_of(
+    st.none(),
+    anything,
+    st.builds(
+        WorkerSettings,
+        kvmerge_version=st.sampled_from([kvmerge.__version__, "0.0.1"]),
+        world_size=st.integers(0, 4),
+        rank=st.integers(-1, 3),
+        kv_events=st.booleans(),
+        children=st.just(()),
+    ),
+)
+reports = st.one_of(
+    st.builds(
+        lambda rank, lanes, seq, s: _from_wire(rank, *lanes, seq, s),
+        st.one_of(st.just(1), anything),
+        st.one_of(lane_tuples, st.tuples(anything, anything, anything)),
+        st.one_of(st.integers(0, 5), anything),
+        worker_settings,
+    ),
+    anything,
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    register()
+    bus = Bus()
+    c = Cluster(
+        [child("UMBPChild", kv_events_merge="any"), child("LMCacheChild")], bus, tp=2
+    )
+    for r in range(2):
+        c.emit(r, 0, [stored(1)])
+    assert c.step() == [stored(1)]  # past start-up: settings checked
+    yield c
+    bus.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(hostile=st.lists(reports, min_size=1, max_size=3))
+def test_no_report_makes_the_step_path_raise(cluster, hostile):
+    c = cluster
+    c.emit(0, 0, [stored(9)])
+    c.emit(0, 1, [])
+    good = worker_output(c.workers[0]).kv_connector_output.kv_cache_events
+    container = KVMergeKVEvents([*good.reports, *hostile], num_workers=2)
+    refused_before = [lane.refused for lane in c.scheduler._lanes]
+    c.scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=container))
+    published = list(c.scheduler.take_events())
+    # Rule "any": rank 0's store publishes whatever the other "rank" sent,
+    # unless one of them (a valid rank 1 report, say) carried it too.
+    assert any(b"\x09" in bytes(e) for e in published) or published == []
+    assert all(
+        lane.refused >= before
+        for lane, before in zip(c.scheduler._lanes, refused_before, strict=True)
+    )
+    for t in c.children("scheduler"):
+        t.received.clear()
+
+
+def test_a_foreign_container_is_refused_not_raised(cluster):
+    before = cluster.scheduler._lanes[0].refused
+    foreign = ThirdPartyKVEvents([stored(3)])
+    cluster.scheduler.update_connector_output(
+        KVConnectorOutput(kv_cache_events=foreign)
+    )
+    assert list(cluster.scheduler.take_events()) == []
+    assert cluster.scheduler._lanes[0].refused == before + 1
+
+
+@pytest.mark.parametrize(
+    ("bad", "lanes_refused"),
+    [
+        ("not a report", (1, 1)),
+        (_from_wire("1", (None, None), (None, None), (None, None), 1, None), (1, 1)),
+        (_from_wire(7, (None, None), (None, None), (None, None), 1, None), (1, 1)),
+        (_from_wire(1, (None,), (None,), (None,), 1, None), (1, 1)),
+        (_from_wire(1, ("umbp", None), ("x", None), (None, None), 1, None), (1, 0)),
+        (_from_wire(1, ("bogus", None), (None, None), (None, None), 1, None), (1, 0)),
+        (_from_wire(1, (None, "lmcache"), (None, "b"), (None, None), 1, None), (0, 1)),
+    ],
+    ids=[
+        "not-a-report",
+        "str-rank",
+        "rank-7",
+        "one-lane",
+        "str-payload",
+        "bogus-kind",
+        "lane-1",
+    ],
+)
+def test_known_bad_reports_are_each_counted_once_per_lane(cluster, bad, lanes_refused):
+    """The property above cannot pass by refusing nothing: these reports are
+    refused on exactly the lanes they spoil."""
+    lanes = cluster.scheduler._lanes
+    before = [lane.refused for lane in lanes]
+    container = KVMergeKVEvents([bad], num_workers=1)
+    cluster.scheduler.update_connector_output(
+        KVConnectorOutput(kv_cache_events=container)
+    )
+    list(cluster.scheduler.take_events())
+    assert tuple(lane.refused - b for lane, b in zip(lanes, before, strict=True)) == (
+        lanes_refused
+    )
