@@ -12,6 +12,7 @@ HMA answers.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -190,3 +191,38 @@ def test_the_entry_point_installs_it_in_a_fresh_interpreter():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-3:] == ["MultiConnector", "kvmerge.vllm", "True"]
+
+
+def test_a_config_made_before_the_plugin_loaded_is_run_with_a_warning(vllm_caplog):
+    """A KVTransferConfig built before vLLM loaded its plugins keeps kvmerge's
+    name: the connector still runs, and says at start-up what vLLM skipped."""
+    from vllm.config import DeviceConfig, KVEventsConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    patched = KVTransferConfig.__post_init__
+    try:
+        KVTransferConfig.__post_init__ = patched.__wrapped__  # vLLM's own
+        ktc = transfer_config(
+            "KVMergeMultiConnector", None, "kv_both", example_children(["kv_both"])
+        )
+    finally:
+        KVTransferConfig.__post_init__ = patched
+    assert ktc.kv_connector == "KVMergeMultiConnector"
+    cfg = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=ktc,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
+    )
+    kv_cache = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[])
+    with vllm_caplog.at_level(logging.WARNING):
+        conn = KVConnectorFactory.create_connector(
+            cfg, KVConnectorRole.SCHEDULER, kv_cache
+        )
+    assert type(conn) is KVMergeMultiConnector
+    (line,) = [
+        r.getMessage()
+        for r in vllm_caplog.records
+        if "so vLLM derived" in r.getMessage()
+    ]
+    assert "'KVMergeMultiConnector'" in line and "kv_connector_module_path" in line

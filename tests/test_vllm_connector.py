@@ -616,8 +616,11 @@ def test_random_steps_match_the_reference_model(bus, name, extra, rule, factors)
 
 def test_hybrid_kv_cache_manager_needs_every_child_to_support_it():
     cfg = make_config([child("LMCacheChild")])
-    # vLLM auto-disables it only for a connector named "MultiConnector" (and on
-    # CPU always): enable it by hand, as a GPU config without the flag has it.
+    # vLLM turned it off (the config is MultiConnector's, by the alias): turn
+    # it on by hand, as --no-disable-hybrid-kv-cache-manager would; then vLLM's
+    # factory refuses, as for MultiConnector with such a child.
+    assert cfg.kv_transfer_config.kv_connector == "MultiConnector"
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
     with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
         build(cfg, SCHEDULER)
