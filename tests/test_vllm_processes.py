@@ -77,6 +77,11 @@ def test_workers_through_the_shm_message_queue():
             scheduler.update_connector_output(kv_out)
             published = bus.publish(list(scheduler.take_events()))
             assert published == script.expected(step), f"step {step}"
+            if step == script.DAMAGED_STEP:
+                # Dequeued without raising; dropped by the connector, counted.
+                damaged = kv_out.kv_cache_events.reports[1].payloads[0]
+                assert damaged.error is not None
+                assert [lane.refused for lane in scheduler._lanes] == [1, 0, 0]
     finally:
         for pipe in pipes:
             pipe.send("done")

@@ -12,7 +12,9 @@ from typing import Any
 from vllm_harness import child, stored
 
 TP = 2
-STEPS = 3
+STEPS = 4
+#: In this step rank 1's LMCache batch is damaged on its way (see Damaged).
+DAMAGED_STEP = 3
 #: Distinct stores in the big step: its batch is over 1 MiB and travels out of band.
 BIG = 12_000
 FACTORS = [1, 2]
@@ -49,7 +51,32 @@ def script(rank: int, step: int) -> list[list[Any] | None]:
         return [lmcache, mooncake, third]
     if step == 1:
         return [None if rank == 0 else chain[-1:], [], [stored(9)] if rank else None]
-    return [[stored(10)], [stored(11, group=0)], [stored(12)]]
+    if step == 2:
+        return [[stored(10)], [stored(11, group=0)], [stored(12)]]
+    return [[stored(13)], [stored(14, group=0)], [stored(15)]]
+
+
+class Damaged:
+    """Pickles as an ``EventBatch`` whose bytes were damaged in transit (one
+    byte flipped after it was encoded), so that the reader's real
+    ``MessageQueue.dequeue`` unpickles damaged bytes."""
+
+    def __init__(self, batch: Any) -> None:
+        raw = bytearray(bytes(batch))
+        raw[len(raw) // 2] ^= 0x20
+        self.raw = bytes(raw)
+        self.rebuild = type(batch).__reduce_ex__(batch, 5)[0]
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+        import pickle
+
+        return (self.rebuild, (pickle.PickleBuffer(self.raw),))
+
+
+def damage(output: Any) -> Any:
+    report = output.kv_connector_output.kv_cache_events.reports[0]
+    report.payloads = (Damaged(report.payloads[0]), *report.payloads[1:])
+    return output
 
 
 def expected(step: int) -> list[Any]:
@@ -58,7 +85,11 @@ def expected(step: int) -> list[Any]:
         return [*chain[:-1], stored(7, group=1), stored(8)]
     if step == 1:
         return [chain[-1]]
-    return [stored(10), stored(11, group=0), stored(12)]
+    if step == 2:
+        return [stored(10), stored(11, group=0), stored(12)]
+    # Rank 1's LMCache report was dropped: rule "all" waits for it; the other
+    # children's reports of this step, from both ranks, merge as usual.
+    return [stored(14, group=0), stored(15)]
 
 
 def main(rank: int, port: int, pipe: Any) -> None:
@@ -93,7 +124,8 @@ def main(rank: int, port: int, pipe: Any) -> None:
     for step in range(STEPS):
         for lane, events in enumerate(script(rank, step)):
             connector.sub_connectors[lane].emit(events)
-        mq.enqueue(worker_output(connector, finished_sending={f"req-{step}"}))
+        output = worker_output(connector, finished_sending={f"req-{step}"})
+        mq.enqueue(damage(output) if rank == 1 and step == DAMAGED_STEP else output)
     pipe.recv()  # keep the queue alive until the reader is done
     mq.shutdown()
     ps.destroy_model_parallel()
