@@ -7,6 +7,8 @@
 //! | `identity/{int,bytes}` | the fingerprint alone: `Identity::of` every event's bytes | events |
 //! | `decode/{int,bytes}` | a received batch: `Batch::from_vec` (XXH3, records) and reading every event back with the schema reader | events |
 //! | `merge_{all,quorum,any}[_skewed]/{int,bytes}/R_ranks` | R ranks' batches, as workers send them (each event's bytes only from its carriers), added; `finish_step_published` (what `finish_step_raw` reads: the events where they arrived, nothing copied) | events of all ranks |
+//! | `straggler/{healthy,late}/8_ranks` | steady state, rule "all", two alternating step contents: every rank on time, or the last rank always one step late (its batch completes the others' pending reports of the step before) | events of all ranks |
+//! | `silent/{healthy,silent}/8_ranks` | the same, or the last rank silent, so a full window (`max_pending_steps` = 32) of the others' reports is pending and one step of them expires every step | events of all ranks |
 //! | `raw/{int,bytes}` | the merged batch's output: each event's byte range (what `finish_step_raw` copies into a `bytes` per `msgspec.Raw`) | events |
 //! | `gather/{int,bytes}` | a new batch of every other event (what `finish_step()` adds to build its output batch) | events |
 //!
@@ -140,7 +142,14 @@ fn event(i: u64, kind: Hashes, group: Option<u8>) -> Ev {
 }
 
 fn events(n: usize, kind: Hashes) -> Vec<Ev> {
-    (0..n as u64).map(|i| event(i, kind, Some(0))).collect()
+    events_from(0, n, kind)
+}
+
+/// `n` events starting at event `first` (another step's content).
+fn events_from(first: u64, n: usize, kind: Hashes) -> Vec<Ev> {
+    (first..first + n as u64)
+        .map(|i| event(i, kind, Some(0)))
+        .collect()
 }
 
 fn batch_of(evs: &[Ev]) -> Batch {
@@ -298,6 +307,103 @@ fn merge(c: &mut Criterion) {
     }
 }
 
+/// What a rank does in one step of the straggler benches.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Last {
+    /// The last rank reports on time, as every other rank.
+    OnTime,
+    /// The last rank reports the step before's events (one step late).
+    Late,
+    /// The last rank reports nothing.
+    Silent,
+}
+
+/// Steady state of rule "all" at `w` ranks and `n` events per rank: two
+/// alternating step contents, the last rank as `last` says. One iteration is
+/// one step: the ranks' batches (moved into the merger, so `iter_batched`)
+/// added, then `finish_step_published`.
+fn bench_steady(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    w: usize,
+    n: usize,
+    last: Last,
+) {
+    let cfg = MergerConfig::new(w, Rule::All);
+    // Per content (even and odd steps), each rank's batch as its worker sends it.
+    let contents: Vec<Vec<Arc<Batch>>> = (0..2u64)
+        .map(|k| {
+            let p = payload(&events_from(k * 1_000_003, n, Hashes::Int));
+            (0..w)
+                .map(|r| Arc::new(Batch::encode_for(&p, Some((&cfg, r))).expect("valid events")))
+                .collect()
+        })
+        .collect();
+    let step_input = |s: u64| -> Vec<(i64, Arc<Batch>)> {
+        (0..w)
+            .filter_map(|r| {
+                let c = if r == w - 1 && last == Last::Late {
+                    s.wrapping_sub(1)
+                } else {
+                    s
+                };
+                let skip = r == w - 1 && (last == Last::Silent || (last == Last::Late && s == 0));
+                (!skip).then(|| (r as i64, contents[(c % 2) as usize][r].clone()))
+            })
+            .collect()
+    };
+    let mut m = Merger::new(cfg.clone()).unwrap();
+    // Fill the window first: the silent case is measured with a full one.
+    let mut s = 0u64;
+    while s < 2 * cfg.max_pending_steps + 2 {
+        m.add_all(step_input(s)).unwrap();
+        black_box(m.finish_step_published());
+        s += 1;
+    }
+    let expect = match last {
+        Last::Silent => cfg.max_pending_steps * ((w - 1) * n) as u64,
+        Last::Late => ((w - 1) * n) as u64,
+        Last::OnTime => 0,
+    };
+    assert_eq!(m.stats().pending, expect, "steady state");
+    g.throughput(Throughput::Elements((w * n) as u64));
+    // Inputs are made in order, then consumed in that order: the step
+    // counter of the setup follows the merger's.
+    let mut next = s;
+    g.bench_function(BenchmarkId::new(format!("{name}/{w}_ranks"), n), |b| {
+        b.iter_batched(
+            || {
+                let input = step_input(next);
+                next += 1;
+                input
+            },
+            |input| {
+                m.add_all(black_box(input)).unwrap();
+                black_box(m.finish_step_published())
+            },
+            BatchSize::SmallInput,
+        )
+    });
+}
+
+/// Stragglers: the same steady state with the last rank one step late
+/// (`straggler`) or silent (`silent`), next to all ranks on time (`healthy`)
+/// in the same group, so one run gives the ratio.
+fn stragglers(c: &mut Criterion) {
+    for (group, name, last) in [
+        ("straggler", "late", Last::Late),
+        ("silent", "silent", Last::Silent),
+    ] {
+        let mut g = c.benchmark_group(group);
+        g.sample_size(30);
+        for n in [32, 512] {
+            bench_steady(&mut g, "healthy", 8, n, Last::OnTime);
+            bench_steady(&mut g, name, 8, n, last);
+        }
+        g.finish();
+    }
+}
+
 fn raw(c: &mut Criterion) {
     let grid = grid();
     let mut g = c.benchmark_group("raw");
@@ -343,6 +449,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(2));
-    targets = encode, identity, decode, merge, raw, gather
+    targets = encode, identity, decode, merge, stragglers, raw, gather
 }
 criterion_main!(benches);

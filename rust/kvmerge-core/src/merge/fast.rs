@@ -13,7 +13,7 @@ pub(super) fn applies(m: &Merger) -> bool {
     let Some(Some(first)) = m.incoming.first() else {
         return false;
     };
-    m.queues.iter().all(|q| q.is_empty())
+    m.live == 0
         && m.incoming
             .iter()
             .all(|b| b.as_ref().is_some_and(|b| b.identity_column_eq(first)))

@@ -1,17 +1,21 @@
-//! The merger: per-rank queues of pending reports, and one `finish_step`
+//! The merger: per-rank lanes of pending reports, and one `finish_step`
 //! that applies the rule. The rules themselves are in `segment` ("all",
-//! "quorum"), `union` ("any") and `fast` (every rank said the same thing).
+//! "quorum", incrementally over an index of the pending reports), `prefix`
+//! ("all" while the ranks' pending reports are prefixes of one sequence:
+//! a rank late or silent), `union` ("any") and `fast` (nothing pending and
+//! every rank said the same thing).
 
 mod carriers;
 mod config;
 mod fast;
+mod pending;
+mod prefix;
 mod published;
 mod segment;
 mod slots;
 mod stats;
 mod union;
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 pub use config::{MergerConfig, Rule, MAX_WORLD_SIZE};
@@ -22,6 +26,7 @@ use crate::batch::{Batch, MAX_CARRIED_BYTES};
 use crate::error::{Error, Result};
 use crate::identity::Identity;
 use crate::schema::EventKind;
+use pending::{Index, Lane};
 use slots::Slots;
 
 /// One event in one rank's batch, waiting for the other ranks.
@@ -74,10 +79,17 @@ pub struct Merger {
     incoming: Vec<Option<Arc<Batch>>>,
     /// The incoming batches' carried bytes and reports (see `Slots::load`).
     incoming_load: (u64, u64),
-    queues: Vec<VecDeque<Report>>,
+    lanes: Vec<Lane>,
+    /// Live reports in the lanes.
+    live: u64,
+    /// Ranks with a fence (a pending clear).
+    fenced: usize,
+    /// Whether `index` holds every eligible report (else the lanes are
+    /// prefixes of one sequence: see `prefix`). Always under "quorum".
+    indexed: bool,
+    index: Index,
     slots: Slots,
     stats: Stats,
-    scratch: segment::Scratch,
 }
 
 impl Merger {
@@ -85,14 +97,17 @@ impl Merger {
         cfg.validate()?;
         let w = cfg.world_size;
         Ok(Merger {
-            cfg,
             step: 0,
             incoming: vec![None; w],
             incoming_load: (0, 0),
-            queues: vec![VecDeque::new(); w],
+            lanes: (0..w).map(|_| Lane::default()).collect(),
+            live: 0,
+            fenced: 0,
+            indexed: cfg.rule == Rule::Quorum,
+            index: Index::default(),
             slots: Slots::default(),
             stats: Stats::default(),
-            scratch: segment::Scratch::default(),
+            cfg,
         })
     }
 
@@ -106,10 +121,9 @@ impl Merger {
     }
 
     pub fn stats(&self) -> Stats {
-        let queued: usize = self.queues.iter().map(VecDeque::len).sum();
         let incoming: usize = self.incoming.iter().flatten().map(|b| b.len()).sum();
         Stats {
-            pending: (queued + incoming) as u64,
+            pending: self.live + incoming as u64,
             ..self.stats
         }
     }
@@ -265,9 +279,9 @@ impl Merger {
                 if shortcut && fast::applies(self) {
                     fast::finish(self)
                 } else {
-                    self.enqueue_incoming();
                     let out = segment::finish(self);
                     self.expire();
+                    self.settle();
                     out
                 }
             }
@@ -287,7 +301,11 @@ impl Merger {
         self.stats.cleared += dropped;
         self.incoming.iter_mut().for_each(|b| *b = None);
         self.incoming_load = (0, 0);
-        self.queues.iter_mut().for_each(VecDeque::clear);
+        self.lanes.iter_mut().for_each(Lane::clear);
+        self.live = 0;
+        self.fenced = 0;
+        self.index.clear();
+        self.indexed = self.cfg.rule == Rule::Quorum;
         self.slots = Slots::default();
     }
 
@@ -320,23 +338,116 @@ impl Merger {
                     clear: batch.kind(i) == EventKind::AllBlocksCleared,
                     carried: batch.has_bytes(i),
                 };
-                self.queues[rank].push_back(report);
+                if report.clear && self.lanes[rank].clears.is_empty() {
+                    self.fenced += 1;
+                }
+                self.lanes[rank].push(report);
             }
+            self.live += batch.len() as u64;
         }
     }
 
+    /// Leaves prefix mode: every eligible report linked, every identity to
+    /// be checked (once; each report is indexed once).
+    fn index_all(&mut self) {
+        self.indexed = true;
+        let Merger { lanes, index, .. } = self;
+        for r in 0..lanes.len() {
+            let (from, to) = (lanes[r].base, lanes[r].eligible_end());
+            index.link_range(lanes, r, from, to);
+        }
+    }
+
+    /// Drops dead reports at the lanes' fronts; with nothing pending,
+    /// "all" goes back to prefix mode.
+    fn settle(&mut self) {
+        self.lanes.iter_mut().for_each(Lane::pop_dead);
+        if self.live == 0 && self.cfg.rule == Rule::All && self.indexed {
+            debug_assert!(self.index.map.is_empty());
+            self.lanes.iter_mut().for_each(Lane::clear);
+            self.index.clear();
+            self.indexed = false;
+        }
+    }
+
+    /// The step's output, then the slots of the reports it used released.
+    fn output(&mut self, pubs: &[Publication], released: Vec<u32>) -> Published {
+        let out = self.published(pubs);
+        for slot in released {
+            self.slots.release(slot);
+        }
+        out
+    }
+
+    /// Drops the reports made `max_pending_steps` steps ago: per lane, from
+    /// the front, so only the expiring reports are visited.
     fn expire(&mut self) {
         let horizon = self.cfg.max_pending_steps;
-        for q in &mut self.queues {
+        let step = self.step;
+        let indexed = self.indexed;
+        let Merger {
+            lanes,
+            index,
+            slots,
+            stats,
+            live,
+            fenced,
+            ..
+        } = self;
+        // In prefix mode: how many live reports each lane dropped.
+        let mut dropped = vec![0usize; if indexed { 0 } else { lanes.len() }];
+        for r in 0..lanes.len() {
+            let fence = lanes[r].clears.front().copied();
+            let mut lost_fence = false;
             // Saturating: a horizon near u64::MAX means "never", not a wrap
             // that would expire everything at once.
-            while q
+            while lanes[r]
+                .nodes
                 .front()
-                .is_some_and(|r| r.step.saturating_add(horizon) <= self.step)
+                .is_some_and(|n| n.rep.step.saturating_add(horizon) <= step)
             {
-                let r = q.pop_front().expect("front exists");
-                self.slots.release(r.slot);
-                self.stats.expired += 1;
+                let seq = lanes[r].base;
+                let node = lanes[r].pop_front().expect("front exists");
+                if !node.live {
+                    continue;
+                }
+                slots.release(node.rep.slot);
+                stats.expired += 1;
+                *live -= 1;
+                if !indexed {
+                    dropped[r] += 1;
+                }
+                if node.rep.clear {
+                    lanes[r].clears.pop_front();
+                    lost_fence = true;
+                } else if indexed && fence.is_none_or(|f| seq < f) {
+                    index.unlink_head(&node.rep.identity, r, node.next);
+                }
+            }
+            if lost_fence {
+                if lanes[r].clears.is_empty() {
+                    *fenced -= 1;
+                }
+                // The reports behind an expired fence are eligible from
+                // the next step on (touched: checked then).
+                if indexed {
+                    let from = lanes[r].base.max(fence.expect("a fence expired") + 1);
+                    let to = lanes[r].eligible_end();
+                    index.link_range(lanes, r, from, to);
+                }
+            }
+        }
+        if !indexed {
+            // Still prefixes of one sequence if every lane left non-empty
+            // lost as many reports from the front.
+            let mut left = lanes
+                .iter()
+                .zip(&dropped)
+                .filter(|(l, _)| !l.nodes.is_empty());
+            if let Some((_, &first)) = left.next() {
+                if left.any(|(_, &d)| d != first) {
+                    self.index_all();
+                }
             }
         }
     }

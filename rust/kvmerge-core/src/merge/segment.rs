@@ -1,198 +1,184 @@
 //! Rules "all" and "quorum": segments between clears, completions among the
 //! reports before each rank's fence (docs/merge-rules.md).
+//!
+//! Incremental: at the end of every step no identity among the eligible
+//! reports is complete (each segment publishes everything it can, and
+//! expiry only removes reports), so a step checks only the identities whose
+//! eligible reports grew: its new reports, and those a consumed or expired
+//! fence made eligible. A step costs what it adds, uses, clears and
+//! expires, not what stays pending.
 
-use super::{Merger, Position, Publication, Published, Rule};
-use crate::identity::IdentityMap;
-
-/// Buffers reused from step to step, so a step allocates almost nothing.
-#[derive(Default)]
-pub(super) struct Scratch {
-    map: IdentityMap<u32>,
-    /// Group of each eligible report, rank by rank, in queue order.
-    gid: Vec<u32>,
-    /// `groups x world_size` report counts, then reused as a cursor.
-    counts: Vec<u32>,
-    /// Publications each group makes this segment (0 if incomplete).
-    quota: Vec<u32>,
-    /// Under "quorum": each rank's first eligible report of each group.
-    firsts: Vec<Option<(Position, Publication)>>,
-    consumed: Vec<bool>,
-}
+use super::pending::{Index, Lane};
+use super::{prefix, Merger, Position, Publication, Published, Rule};
 
 pub(super) fn finish(m: &mut Merger) -> Published {
-    let w = m.cfg.world_size;
     let mut pubs = Vec::new();
     // Slots are released only after the output is gathered from them.
     let mut released = Vec::new();
-    let mut fences = fences(m);
+    let before: Vec<u64> = m.lanes.iter().map(Lane::end).collect();
+    m.enqueue_incoming();
+    if !m.indexed {
+        let old: Vec<usize> = (m.lanes.iter().zip(&before))
+            .map(|(l, &end)| (end - l.base) as usize)
+            .collect();
+        if prefix::compatible(&m.lanes, &old) {
+            prefix::finish(m, &mut pubs, &mut released);
+            return m.output(&pubs, released);
+        }
+        m.index_all();
+    } else {
+        let Merger { lanes, index, .. } = m;
+        for (r, &from) in before.iter().enumerate() {
+            let to = lanes[r].eligible_end();
+            if from < to {
+                index.link_range(lanes, r, from, to);
+            }
+        }
+    }
+    run_segments(m, &mut pubs, &mut released);
+    m.output(&pubs, released)
+}
+
+fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<u32>) {
+    let w = m.cfg.world_size;
     loop {
-        let mut done = complete(m, &mut fences, &mut released);
+        let mut done = complete(m, released);
         done.sort_unstable_by_key(|(pos, _)| *pos);
         pubs.extend(done.into_iter().map(|(_, p)| p));
 
-        if (0..w).any(|r| fences[r] == m.queues[r].len()) {
+        if m.fenced < w {
             break;
         }
         let mut clear: Option<(Position, Publication)> = None;
-        for (r, q) in m.queues.iter_mut().enumerate() {
-            for left in q.drain(..fences[r]) {
-                released.push(left.slot);
-                m.stats.cleared += 1;
-            }
-            let fence = q.pop_front().expect("the fence is there");
-            released.push(fence.slot);
-            m.stats.consumed += 1;
-            let pos = (fence.step, fence.idx, r as u32);
-            let p = fence.publication();
-            match &mut clear {
-                None => clear = Some((pos, p)),
-                Some((at, publication)) => {
-                    *at = (*at).max(pos);
-                    publication.prefer_carried(p);
+        let Merger {
+            lanes,
+            index,
+            stats,
+            live,
+            fenced,
+            ..
+        } = m;
+        for r in 0..w {
+            let fence = lanes[r].clears.pop_front().expect("every rank is fenced");
+            // Every eligible report still pending is discarded.
+            for seq in lanes[r].base..fence {
+                let node = lanes[r].get_mut(seq);
+                if node.live {
+                    node.live = false;
+                    let (id, next, slot) = (node.rep.identity, node.next, node.rep.slot);
+                    index.unlink_head(&id, r, next);
+                    released.push(slot);
+                    stats.cleared += 1;
+                    *live -= 1;
                 }
+            }
+            let at = lanes[r].position(fence, r);
+            let node = lanes[r].get_mut(fence);
+            node.live = false;
+            released.push(node.rep.slot);
+            stats.consumed += 1;
+            *live -= 1;
+            match &mut clear {
+                None => clear = Some(at),
+                Some((pos, publication)) => {
+                    *pos = (*pos).max(at.0);
+                    publication.prefer_carried(at.1);
+                }
+            }
+            lanes[r].pop_dead();
+            // The reports up to the next fence become eligible.
+            let to = lanes[r].eligible_end();
+            index.link_range(lanes, r, fence + 1, to);
+            if lanes[r].clears.is_empty() {
+                *fenced -= 1;
             }
         }
         pubs.push(clear.expect("world_size >= 1").1);
-        fences = self::fences(m);
     }
-    let out = m.published(&pubs);
-    for slot in released {
-        m.slots.release(slot);
-    }
-    out
 }
 
-/// Each rank's first pending clear, or its queue length when it has none.
-fn fences(m: &Merger) -> Vec<usize> {
-    m.queues
-        .iter()
-        .map(|q| q.iter().position(|r| r.clear).unwrap_or(q.len()))
-        .collect()
-}
-
-/// Finds the completions among the eligible reports, removes the reports
-/// they use from the queues (moving `fences` back accordingly), and returns
-/// them with their positions.
-///
-/// Two sequential passes over the eligible reports: the first groups them by
-/// identity and counts them per rank, the second hands each group's quota
-/// of reports out in queue order, which is how the rules pick them.
-fn complete(
-    m: &mut Merger,
-    fences: &mut [usize],
-    released: &mut Vec<u32>,
-) -> Vec<(Position, Publication)> {
+/// Checks the touched identities, publishes those complete (with their
+/// positions) and removes the reports they use.
+fn complete(m: &mut Merger, released: &mut Vec<u32>) -> Vec<(Position, Publication)> {
     let w = m.cfg.world_size;
     let rule = m.cfg.rule;
     let Merger {
-        queues,
-        scratch: s,
+        lanes,
+        index: Index { map, touched },
         stats,
+        live,
         ..
     } = m;
-    s.map.clear();
-    s.gid.clear();
-    s.counts.clear();
-    for (r, q) in queues.iter().enumerate() {
-        for rep in q.iter().take(fences[r]) {
-            let next = s.map.len() as u32;
-            let g = *s.map.entry(rep.identity).or_insert(next);
-            if g == next {
-                s.counts.resize(s.counts.len() + w, 0);
-            }
-            s.gid.push(g);
-            s.counts[g as usize * w + r] += 1;
-        }
-    }
-
-    let groups = s.map.len();
-    s.quota.clear();
-    s.quota.extend(s.counts.chunks_exact(w).map(|c| match rule {
-        Rule::All => c.iter().copied().min().unwrap_or(0),
-        _ => c.iter().filter(|&&n| n > 0).count() as u32,
-    }));
-    s.counts.iter_mut().for_each(|c| *c = 0);
-    if rule == Rule::Quorum {
-        s.firsts.clear();
-        s.firsts.resize(groups * w, None);
-    }
-
-    // "all": slot `g`'s first publication is done[first[g]], the j-th is
-    // done[first[g] + j]; filled with the greatest position seen.
-    let mut done: Vec<(Position, Publication)> = Vec::new();
-    let mut first = vec![u32::MAX; groups];
-    let mut k = 0;
-    s.consumed.clear();
-    s.consumed.resize(s.gid.len(), false);
-    for (r, q) in queues.iter().enumerate() {
-        for rep in q.iter().take(fences[r]) {
-            let g = s.gid[k] as usize;
-            let j = s.counts[g * w + r];
-            s.counts[g * w + r] += 1;
-            let pos = (rep.step, rep.idx, r as u32);
-            let publication = rep.publication();
-            match rule {
-                Rule::All if j < s.quota[g] => {
-                    s.consumed[k] = true;
-                    if first[g] == u32::MAX {
-                        first[g] = done.len() as u32;
-                        done.extend((0..s.quota[g]).map(|_| (pos, publication)));
+    let mut done = Vec::new();
+    for id in std::mem::take(touched) {
+        let Some(e) = map.get_mut(&id) else {
+            continue;
+        };
+        e.touched = false;
+        match rule {
+            // The j-th publication uses the j-th eligible report on every
+            // rank; its position is the greatest of theirs.
+            Rule::All => {
+                while e.lists.len() == w {
+                    let mut best: Option<(Position, Publication)> = None;
+                    for l in e.lists.iter_mut() {
+                        let r = l.rank as usize;
+                        let at = lanes[r].position(l.head, r);
+                        let node = lanes[r].get_mut(l.head);
+                        node.live = false;
+                        released.push(node.rep.slot);
+                        l.head = node.next;
+                        l.len -= 1;
+                        match &mut best {
+                            None => best = Some(at),
+                            Some((pos, publication)) => {
+                                *pos = (*pos).max(at.0);
+                                publication.prefer_carried(at.1);
+                            }
+                        }
                     }
-                    // Equal identities, equal bytes: any of the reports
-                    // used can supply them, if its batch carries them.
-                    let slot = &mut done[(first[g] + j) as usize];
-                    slot.0 = slot.0.max(pos);
-                    slot.1.prefer_carried(publication);
+                    stats.consumed += w as u64;
+                    *live -= w as u64;
+                    e.lists.retain(|l| l.len > 0);
+                    done.push(best.expect("world_size >= 1"));
                 }
-                Rule::Quorum if j == 0 => s.firsts[g * w + r] = Some((pos, publication)),
-                _ => {}
             }
-            k += 1;
-        }
-    }
-
-    if rule == Rule::Quorum {
-        let mut k = 0;
-        for (r, q) in queues.iter().enumerate() {
-            for rep in q.iter().take(fences[r]) {
-                let g = s.gid[k] as usize;
-                let distinct = s.quota[g] as u64;
-                s.consumed[k] = distinct * rep.factor as u64 >= w as u64;
-                if s.consumed[k] && first[g] == u32::MAX {
-                    first[g] = 0;
-                    let mut firsts: Vec<_> = s.firsts[g * w..(g + 1) * w]
+            // Complete when enough distinct ranks reported it: published
+            // once, at the q-th smallest first position; every eligible
+            // report of it is used.
+            _ => {
+                let distinct = e.lists.len() as u64;
+                if distinct * e.factor as u64 >= w as u64 {
+                    let mut firsts: Vec<(Position, Publication)> = e
+                        .lists
                         .iter()
-                        .flatten()
-                        .copied()
+                        .map(|l| lanes[l.rank as usize].position(l.head, l.rank as usize))
                         .collect();
-                    let q = (w as u64).div_ceil(rep.factor as u64) as usize;
+                    let q = (w as u64).div_ceil(e.factor as u64) as usize;
                     firsts.select_nth_unstable_by_key(q - 1, |(pos, _)| *pos);
                     let (pos, mut publication) = firsts[q - 1];
                     for (_, p) in &firsts {
                         publication.prefer_carried(*p);
                     }
                     done.push((pos, publication));
+                    for l in e.lists.drain(..) {
+                        let lane = &mut lanes[l.rank as usize];
+                        let mut seq = l.head;
+                        for _ in 0..l.len {
+                            let node = lane.get_mut(seq);
+                            node.live = false;
+                            released.push(node.rep.slot);
+                            seq = node.next;
+                        }
+                        stats.consumed += l.len as u64;
+                        *live -= l.len as u64;
+                    }
                 }
-                k += 1;
             }
         }
-    }
-
-    let mut k = 0;
-    for (r, q) in queues.iter_mut().enumerate() {
-        let (mut i, mut removed) = (0, 0);
-        q.retain(|rep| {
-            let keep = i >= fences[r] || !s.consumed[k + i];
-            if !keep {
-                released.push(rep.slot);
-                removed += 1;
-            }
-            i += 1;
-            keep
-        });
-        k += fences[r];
-        fences[r] -= removed;
-        stats.consumed += removed as u64;
+        if e.lists.is_empty() {
+            map.remove(&id);
+        }
     }
     done
 }
