@@ -125,6 +125,53 @@ def test_knob_bytes_hashes():
         assert all(isinstance(h, bytes) and len(h) == 32 for h in e.block_hashes)
 
 
+def test_knobs_late_rank_and_silent_rank():
+    late = Workload(preset("straggler", world_size=3, events=10))
+    s0, s1 = late.next_step(), late.next_step()
+    for c0, c1 in zip(s0.events, s1.events, strict=True):
+        assert c0[2] == [] and c1[2] == c0[0]  # the step before's, all of them
+        assert c0[0] == c0[1] and len(c0[0]) == 10
+    silent = Workload(preset("silent", world_size=3, events=10))
+    for step in silent.steps(2):
+        for child in step.events:
+            assert child[2] == [] and len(child[0]) == len(child[1]) == 10
+
+
+def _case(workload: str, events: int, b_ms: float) -> dict:
+    summary = {"scheduler_ms": b_ms, "scheduler_cpu_ms": b_ms}
+    return {
+        "case": f"{workload}/tp8/{events}",
+        "summary": {"A": summary, "B": summary},
+        "ratio": {
+            "scheduler_a_over_b": 1.0,
+            "scheduler_cpu_a_over_b": 1.0,
+            "worker_a_over_b": 1.0,
+            "worker_cpu_a_over_b": 1.0,
+            "bytes_b_over_a": 1.0,
+        },
+    }
+
+
+def test_straggler_targets_compare_with_the_healthy_case():
+    from kvmerge.bench.runner import targets
+
+    cases = [
+        _case("uniform", 512, 1.0),
+        _case("straggler", 512, 1.2),
+        _case("silent", 512, 2.5),
+        _case("uniform", 32, 0.5),
+        _case("straggler", 32, 0.7),
+        _case("silent", 32, 0.6),
+    ]
+    met = {t["target"]: t["met"] for t in targets(cases) if "on time" in t["target"]}
+    assert len(met) == 4
+    late = {k: v for k, v in met.items() if "late" in k}
+    silent = {k: v for k, v in met.items() if "silent" in k}
+    assert sorted(late.values()) == [False, True]  # 1.2x met, 1.4x missed
+    assert sorted(silent.values()) == [False, True]  # 2.5x missed, 1.2x met
+    assert all("512" in k for k, v in late.items() if v)
+
+
 def test_presets():
     assert preset("skewed", world_size=2, events=4).late > 0
     with pytest.raises(ValueError):

@@ -91,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workloads",
         type=_names,
-        default=["bytes", "skewed", "clears"],
-        help="other workloads to run (bytes, skewed, clears; 'none'; "
-        "default all three)",
+        default=["bytes", "skewed", "clears", "straggler", "silent"],
+        help="other workloads to run (bytes, skewed, clears, straggler, silent; "
+        "'none'; default all five)",
     )
     g.add_argument(
         "--workload-tp",
@@ -244,7 +244,7 @@ def grid_from_args(args: argparse.Namespace) -> list[Case]:
 
     if args.quick:
         return [Case("uniform", 2, n) for n in (16, 32)] + [
-            Case(w, 2, 16) for w in ("bytes", "skewed", "clears")
+            Case(w, 2, 16) for w in ("bytes", "skewed", "clears", "straggler", "silent")
         ]
     return default_grid(
         tps=args.tp,

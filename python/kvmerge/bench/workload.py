@@ -16,7 +16,11 @@ order (TP workers store the same blocks); the knobs skew that:
 * ``clear_every``: every N-th step each rank reports an ``AllBlocksCleared`` at
   the same place, in the children whose container can carry it (vLLM 0.33.0's
   ``AllBlocksCleared`` is not hashable, so only the ``"list"`` child);
-* ``bytes_hashes``: 32-byte block hashes instead of 63-bit ints.
+* ``bytes_hashes``: 32-byte block hashes instead of 63-bit ints;
+* ``late_rank``: the last rank reports every event one step late (a
+  straggler: each step it reports the step before's events);
+* ``silent_rank``: the last rank reports nothing (its peers' reports wait
+  ``max_pending_steps`` and expire).
 
 Ranks share the event objects of a step (only duplicates are separate
 objects): in vLLM each worker builds its own, but nothing measured depends on
@@ -53,6 +57,8 @@ class WorkloadConfig:
     duplicate: float = 0.0
     clear_every: int = 0
     bytes_hashes: bool = False
+    late_rank: bool = False
+    silent_rank: bool = False
     removed: float = 0.15
     block_size: int = 16
     max_hashes: int = 16
@@ -194,7 +200,9 @@ class Workload:
             for r in range(world):
                 if r in absent:
                     continue
-                if r == late:
+                if r == world - 1 and cfg.silent_rank:
+                    continue
+                if r == late or (r == world - 1 and cfg.late_rank):
                     child.carry[r].append(event)
                     continue
                 ranks[r].append(event)
@@ -222,7 +230,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "skewed": {"missing": 0.02, "late": 0.02, "duplicate": 0.02},
     # A third, list-based child, and a clear every third step.
     "clears": {"children": ("lmcache", "mooncake", "list"), "clear_every": 3},
+    # The last rank always one step late, or silent: compared with "uniform"
+    # at the same size (the straggler targets).
+    "straggler": {"late_rank": True},
+    "silent": {"silent_rank": True},
 }
+
+#: Unmeasured steps a workload needs first: "silent" is measured with a full
+#: window of pending reports (the connector's max_pending_steps of 32).
+MIN_WARMUP: dict[str, int] = {"silent": 34}
 
 
 def preset(name: str, **sizes: Any) -> WorkloadConfig:
