@@ -226,3 +226,22 @@ def test_a_config_made_before_the_plugin_loaded_is_run_with_a_warning(vllm_caplo
         if "so vLLM derived" in r.getMessage()
     ]
     assert "'KVMergeMultiConnector'" in line and "kv_connector_module_path" in line
+
+
+def test_a_vllm_that_rejects_the_probe_still_registers_the_connector(
+    monkeypatch, vllm_caplog
+):
+    """Should a later vLLM refuse the probe configs, registration goes on
+    with a warning instead of failing every vLLM process at start-up."""
+
+    def refuse(cls=None):
+        raise TypeError("unexpected keyword argument 'kv_connector_extra_config'")
+
+    monkeypatch.setattr(alias, "install", refuse)
+    with vllm_caplog.at_level(logging.WARNING):
+        register()
+    assert (
+        KVConnectorFactory.get_connector_class_by_name("KVMergeMultiConnector")
+        is KVMergeMultiConnector
+    )
+    assert any("could not check" in r.getMessage() for r in vllm_caplog.records)

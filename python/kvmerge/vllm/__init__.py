@@ -76,7 +76,19 @@ def register() -> None:
     from . import alias, versions
 
     versions.warn_if_unsupported()
-    alias.install()
+    try:
+        alias.install()
+    except Exception:
+        # A vLLM whose KVTransferConfig no longer takes the probe configs:
+        # the connector still loads; only the name alias is missing.
+        logger.warning(
+            "kvmerge: could not check how this vLLM treats kv_connector %r; "
+            "name 'MultiConnector' with kv_connector_module_path %r to be sure "
+            "vLLM treats it as MultiConnector",
+            CONNECTOR_NAME,
+            __name__,
+            exc_info=True,
+        )
 
     try:
         KVConnectorFactory.register_connector(
