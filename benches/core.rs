@@ -8,6 +8,7 @@
 //! | `decode/{int,bytes}` | a received batch: `Batch::from_vec` (XXH3, records) and reading every event back with the schema reader | events |
 //! | `merge_{all,quorum,any}[_skewed]/{int,bytes}/R_ranks` | R ranks' batches, as workers send them (each event's bytes only from its carriers), added; `finish_step_published` (what `finish_step_raw` reads: the events where they arrived, nothing copied) | events of all ranks |
 //! | `straggler/{healthy,late}/8_ranks` | steady state, rule "all", two alternating step contents: every rank on time, or the last rank always one step late (its batch completes the others' pending reports of the step before) | events of all ranks |
+//! | `{straggler,silent}/*_quorum/8_ranks` | the same under rule "quorum", factor 1 (vLLM's Mooncake child) | events of all ranks |
 //! | `silent/{healthy,silent}/8_ranks` | the same, or the last rank silent, so a full window (`max_pending_steps` = 32) of the others' reports is pending and one step of them expires every step | events of all ranks |
 //! | `raw/{int,bytes}` | the merged batch's output: each event's byte range (what `finish_step_raw` copies into a `bytes` per `msgspec.Raw`) | events |
 //! | `gather/{int,bytes}` | a new batch of every other event (what `finish_step()` adds to build its output batch) | events |
@@ -318,7 +319,7 @@ enum Last {
     Silent,
 }
 
-/// Steady state of rule "all" at `w` ranks and `n` events per rank: two
+/// Steady state of `rule` ("all", or "quorum" with factor 1) at `w` ranks and `n` events per rank: two
 /// alternating step contents, the last rank as `last` says. One iteration is
 /// one step: the ranks' batches (moved into the merger, so `iter_batched`)
 /// added, then `finish_step_published`.
@@ -328,8 +329,12 @@ fn bench_steady(
     w: usize,
     n: usize,
     last: Last,
+    rule: Rule,
 ) {
-    let cfg = MergerConfig::new(w, Rule::All);
+    let cfg = MergerConfig {
+        replication_factors: (rule == Rule::Quorum).then(|| vec![1]),
+        ..MergerConfig::new(w, rule)
+    };
     // Per content (even and odd steps), each rank's batch as its worker sends it.
     let contents: Vec<Vec<Arc<Batch>>> = (0..2u64)
         .map(|k| {
@@ -397,8 +402,11 @@ fn stragglers(c: &mut Criterion) {
         let mut g = c.benchmark_group(group);
         g.sample_size(30);
         for n in [32, 512] {
-            bench_steady(&mut g, "healthy", 8, n, Last::OnTime);
-            bench_steady(&mut g, name, 8, n, last);
+            bench_steady(&mut g, "healthy", 8, n, Last::OnTime, Rule::All);
+            bench_steady(&mut g, name, 8, n, last, Rule::All);
+            // Rule "quorum" (factor 1), as vLLM's Mooncake child.
+            bench_steady(&mut g, "healthy_quorum", 8, n, Last::OnTime, Rule::Quorum);
+            bench_steady(&mut g, &format!("{name}_quorum"), 8, n, last, Rule::Quorum);
         }
         g.finish();
     }

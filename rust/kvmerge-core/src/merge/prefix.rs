@@ -10,14 +10,35 @@
 //! eligible report of `K` on every rank is the `j`-th one in the prefix;
 //! clears sit at the same indices on every rank, so each fenced segment is
 //! the same on every rank and completes whole.
+//!
+//! Rule "quorum" too, while every pending report needs every rank
+//! (`ceil(world_size / f) == world_size`: factor 1, the common case): an
+//! identity of the prefix then has a report on every rank, so it completes,
+//! once, at its first occurrence in its segment (the q-th smallest of the
+//! ranks' first positions is their greatest, the first occurrence's index
+//! being the same on every rank); its later occurrences in the segment are
+//! consumed with it. That stays a walk as long as none of them lies past
+//! the prefix (in the longer lanes' part of the last segment): `finish`
+//! checks that before changing anything and otherwise declines. What is
+//! left (identities the shortest, now empty, lane lacks) cannot complete.
 
 use super::pending::Lane;
-use super::{Merger, Position, Publication};
+use super::{Merger, Position, Publication, Rule};
 
 /// Whether the lanes (each `old[r]` reports long before this step's were
 /// appended, all of those a prefix of one sequence) still are prefixes of
 /// one sequence. Compares only what this step appended.
-pub(super) fn compatible(lanes: &[Lane], old: &[usize]) -> bool {
+/// Under "quorum", also that every appended report needs every rank.
+pub(super) fn compatible(lanes: &[Lane], old: &[usize], rule: Rule) -> bool {
+    if rule == Rule::Quorum {
+        let w = lanes.len() as u64;
+        let all_needed = lanes.iter().zip(old).all(|(lane, &from)| {
+            (from..lane.nodes.len()).all(|i| w.div_ceil(lane.nodes[i].rep.factor as u64) == w)
+        });
+        if !all_needed {
+            return false;
+        }
+    }
     let Some(longest) = (0..lanes.len()).max_by_key(|&r| (lanes[r].nodes.len(), usize::MAX - r))
     else {
         return true;
@@ -32,8 +53,15 @@ pub(super) fn compatible(lanes: &[Lane], old: &[usize]) -> bool {
 
 /// Publishes the common prefix (its segments' completions in position
 /// order, each clear after its segment) and removes it from every lane.
-pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<u32>) {
+/// Under "quorum", declines (false, nothing changed) when an identity of
+/// the prefix's last segment recurs past the prefix in that segment.
+pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<u32>) -> bool {
     let w = m.cfg.world_size;
+    let quorum = m.cfg.rule == Rule::Quorum;
+    let start = pubs.len();
+    // Under "quorum": the identities published in the current segment.
+    let mut seen = std::mem::take(&mut m.scratch);
+    seen.clear();
     let n = m.lanes.iter().map(|l| l.nodes.len()).min().unwrap_or(0);
     let mut segment: Vec<(Position, Publication)> = Vec::new();
     let mut ordered = true;
@@ -61,10 +89,14 @@ pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut
             }
         }
         let (pos, publication) = best.expect("world_size >= 1");
-        if m.lanes[0].nodes[i].rep.clear {
+        let rep = &m.lanes[0].nodes[i].rep;
+        if rep.clear {
             flush(&mut segment, &mut ordered, pubs);
             pubs.push(publication);
             clears += 1;
+            seen.clear();
+        } else if quorum && !seen.insert(rep.identity) {
+            // A later occurrence: consumed by the first one's publication.
         } else {
             if segment.last().is_some_and(|(last, _)| pos < *last) {
                 ordered = false;
@@ -73,6 +105,25 @@ pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut
         }
     }
     flush(&mut segment, &mut ordered, pubs);
+    if quorum {
+        // The last segment goes on past the prefix up to the next clear;
+        // every lane there is a prefix of the longest one.
+        let longest = &m
+            .lanes
+            .iter()
+            .max_by_key(|l| l.nodes.len())
+            .expect("world_size >= 1")
+            .nodes;
+        let recurs = (n..longest.len())
+            .map(|i| &longest[i].rep)
+            .take_while(|rep| !rep.clear)
+            .any(|rep| seen.contains(&rep.identity));
+        m.scratch = seen;
+        if recurs {
+            pubs.truncate(start);
+            return false;
+        }
+    }
     for lane in &mut m.lanes {
         for _ in 0..n {
             let node = lane.pop_front().expect("n is the shortest lane");
@@ -83,4 +134,5 @@ pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut
     m.fenced = m.lanes.iter().filter(|l| !l.clears.is_empty()).count();
     m.stats.consumed += (w * n) as u64;
     m.live -= (w * n) as u64;
+    true
 }

@@ -21,8 +21,9 @@ pub(super) fn finish(m: &mut Merger) -> Published {
         let old: Vec<usize> = (m.lanes.iter().zip(&before))
             .map(|(l, &end)| (end - l.base) as usize)
             .collect();
-        if prefix::compatible(&m.lanes, &old) {
-            prefix::finish(m, &mut pubs, &mut released);
+        if prefix::compatible(&m.lanes, &old, m.cfg.rule)
+            && prefix::finish(m, &mut pubs, &mut released)
+        {
             return m.output(&pubs, released);
         }
         m.index_all();

@@ -563,3 +563,67 @@ fn slot_load_follows_the_pending_reports() {
         assert_eq!((m.slots.load(), m.incoming_load), ((0, 0), (0, 0)));
     }
 }
+
+/// A step's reports for `prefix_mode_changes_nothing`: the rank's copy of a
+/// shared sequence, mostly (a late rank reports the step before's).
+fn straggler_events(seq: &[u8]) -> Vec<Ev> {
+    seq.iter()
+        .map(|&h| match h {
+            0 => clear(),
+            1 => stored(1, Some(1)),
+            2 => stored(2, Some(0)),
+            h => removed(h),
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// The prefix walk ("all", and "quorum" while every report needs every
+    /// rank) publishes what the index does, in the same order, with the same
+    /// counters: one rank late, one silent, duplicates, clears, the odd
+    /// deviating rank, reports with factor 2.
+    #[test]
+    fn prefix_mode_changes_nothing(
+        seqs in prop::collection::vec(prop::collection::vec(0u8..9, 0..7), 1..10),
+        late in prop::collection::vec(any::<bool>(), 10),
+        odd in prop::collection::vec(prop::option::weighted(0.15, (0usize..3, prop::collection::vec(0u8..9, 0..4))), 10),
+        quorum in any::<bool>(),
+        pending in 0u64..4,
+        w in 1usize..4,
+    ) {
+        let rule = if quorum { Rule::Quorum } else { Rule::All };
+        let factors = quorum.then(|| vec![1, 2]);
+        let seqs: Vec<Vec<u8>> = if quorum {
+            seqs
+        } else {
+            // Factor 2 only exists under "quorum"; keep the ids the same.
+            seqs.into_iter().map(|s| s.into_iter().map(|h| if h == 1 { 3 } else { h }).collect()).collect()
+        };
+        let mut a = merger(w, rule, factors.clone(), pending);
+        let mut b = merger(w, rule, factors, pending);
+        b.index_only = true;
+        b.indexed = true;
+        for s in 0..seqs.len() + 2 {
+            for r in 0..w {
+                let late_here = r == w - 1 && late[s % late.len()];
+                let src = if late_here { s.checked_sub(1) } else { Some(s) };
+                let Some(seq) = src.and_then(|k| seqs.get(k)) else { continue };
+                let mut evs = straggler_events(seq);
+                if let Some((who, extra)) = &odd[s % odd.len()] {
+                    if *who == r {
+                        evs.extend(straggler_events(extra));
+                    }
+                }
+                let x = Arc::new(batch(&evs));
+                a.add(r as i64, x.clone()).unwrap();
+                b.add(r as i64, x).unwrap();
+            }
+            let (x, y) = (a.finish_step_general(), b.finish_step_general());
+            prop_assert_eq!(ids(&x), ids(&y), "step {}", s);
+            prop_assert_eq!(x.payload(), y.payload());
+            prop_assert_eq!(a.stats(), b.stats());
+        }
+    }
+}
