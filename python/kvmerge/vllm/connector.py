@@ -88,6 +88,42 @@ def _empty_batch() -> EventBatch:
     return _EMPTY
 
 
+_OBJECT_GETSTATE = getattr(object, "__getstate__", None)
+
+
+#: Per class: whether ``copy.copy`` of its instances is a new instance with
+#: the same ``__dict__`` (no copy hooks of its own, no slots).
+_PLAIN_COPY: dict[type, bool] = {}
+
+
+def _plain_copy(cls: type) -> bool:
+    return (
+        "__slots__" not in cls.__dict__
+        and getattr(cls, "__copy__", None) is None
+        and cls.__reduce_ex__ is object.__reduce_ex__
+        and cls.__reduce__ is object.__reduce__
+        and getattr(cls, "__getstate__", None) is _OBJECT_GETSTATE
+        and getattr(cls, "__setstate__", None) is None
+        and cls.__new__ is object.__new__
+    )
+
+
+def _shallow_copy(obj: Any) -> Any:
+    """``copy.copy(obj)``; for a plain class (a ``KVConnectorOutput``: a
+    dataclass with an instance dict and no copy hooks of its own) what
+    ``copy.copy`` does, without its generic ``__reduce_ex__`` round trip."""
+    cls = type(obj)
+    plain = _PLAIN_COPY.get(cls)
+    if plain is None:
+        plain = _PLAIN_COPY[cls] = _plain_copy(cls)
+    state = getattr(obj, "__dict__", None) if plain else None
+    if state is None:
+        return copy.copy(obj)
+    child = object.__new__(cls)
+    child.__dict__.update(state)
+    return child
+
+
 class _Lane:
     """Scheduler-side state of one child."""
 
@@ -219,42 +255,76 @@ class _Lane:
             )
         return None
 
+    def _known_factors(self, factors: Any) -> bool:
+        """``factors`` (not None) are the ones this lane merges with, as
+        positive ints: what ``lane_problem`` and ``_resolve`` would accept
+        without a look at anything else."""
+        if type(factors) is not tuple or factors != self.factors:
+            return False
+        # (True,) == (1,): equal is not enough.
+        return all(type(f) is int for f in factors)
+
     def step(
-        self, entries: Sequence[tuple[int, str | None, Any, Any]], refusals: Refusals
+        self, lane: int, reports: Sequence[WorkerReport], refusals: Refusals
     ) -> Any:
-        """One aggregated step; returns this child's native container, if any.
+        """One aggregated step of lane ``lane`` of the (checked, rank-ordered)
+        reports; returns this child's native container, if any.
 
         A rank's report that cannot be merged (of another kind than this
         child's, a bad batch, a group without a factor, a batch that left out
         bytes it must carry) is dropped and counted (``refused``); the other
         ranks' reports merge as if it had not been sent.
+
+        Once the lane's mode, kind and merger are fixed, a lane of that kind
+        carrying a valid batch (and no factors, or the lane's own) is taken as
+        it is: everything ``lane_problem`` and ``_resolve`` check holds for it.
         """
-        present = []
-        for entry in entries:
-            if entry[1] is None:
+        empty = _empty_batch()
+        merging = self.mode == "merge" and self.merger is not None
+        known = self.kind
+        batches: list[tuple[int, Any]] = []
+        present: list[Any] = []
+        for report in reports:
+            kind = report.kinds[lane]
+            payload = report.payloads[lane]
+            if (
+                merging
+                and type(payload) is EventBatch
+                and type(kind) is str
+                and kind == known
+                and payload.error is None
+            ):
+                factors = report.factors[lane]
+                if factors is None or self._known_factors(factors):
+                    batches.append((report.rank, payload))
+                    continue
+            elif kind is None and payload is None:
+                batches.append((report.rank, empty))
                 continue
-            why = self._resolve(entry)
-            if why is None:
-                present.append(entry)
+            why = report.lane_problem(lane)
+            if why is None and kind is not None:
+                why = self._resolve((report.rank, kind, payload, report.factors[lane]))
+                merging = self.mode == "merge" and self.merger is not None
+                known = self.kind
+            if why is not None:
+                refusals.refuse(self, report.rank, why)
+                batches.append((report.rank, empty))
+            elif kind is None:
+                batches.append((report.rank, empty))
             else:
-                refusals.refuse(self, entry[0], why)
+                present.append(payload)
+                batches.append((report.rank, payload))
         if self.mode == "native":
-            return combine_native(self.spec.label, (e[2] for e in present))
+            return combine_native(self.spec.label, present)
         merger = self.merger
         if merger is None:  # nothing reported by this child yet
             return None
-        empty = _empty_batch()
-        accepted = {rank for rank, _k, _p, _f in present}
-        reports = [
-            (rank, empty if p is None or rank not in accepted else p)
-            for rank, _k, p, _f in entries
-        ]
         try:
             # All ranks of the step or none: a rejected report leaves the
             # merger as it was, and the ranks are then added one by one.
-            merger.add_all(reports)
+            merger.add_all(batches)
         except KVMergeError:
-            for rank, batch in reports:
+            for rank, batch in batches:
                 try:
                     merger.add(rank, batch)
                 except KVMergeError as e:
@@ -361,6 +431,9 @@ class KVMergeMultiConnector(MultiConnector):
             # Quiet for a whole pending window: nothing of the incident is left.
             self._incidents = Incidents(self._world_size, spec.max_pending_steps + 1)
             self._steps = 0
+            #: The mergers' expired counters after the last step (None: to
+            #: be summed again, after reset_cache).
+            self._expired_total: int | None = None
             self._lanes = [
                 _Lane(
                     child,
@@ -494,31 +567,47 @@ class KVMergeMultiConnector(MultiConnector):
 
     def _merge_step(self, reports: Sequence[WorkerReport]) -> list[Any]:
         by_rank: dict[int, WorkerReport] = {}
+        n = len(self._lanes)
+        world = self._world_size
+        last_seq = self._last_seq
+        misconfigured = self._misconfigured
         for report in reports:
+            # The common case, checked at once: a well-formed report, no
+            # settings, the next of a known rank's (what _report_problem
+            # would accept without a word).
+            if type(report) is WorkerReport and report.settings is None:
+                rank, seq = report.rank, report.seq
+                kinds, payloads, factors = report.kinds, report.payloads, report.factors
+                if (
+                    type(rank) is int
+                    and type(seq) is int
+                    and type(kinds) is tuple
+                    and type(payloads) is tuple
+                    and type(factors) is tuple
+                    and len(kinds) == len(payloads) == len(factors) == n
+                    and 0 <= rank < world
+                    and rank not in by_rank
+                    and rank not in misconfigured
+                    and last_seq.get(rank) == seq - 1
+                ):
+                    last_seq[rank] = seq
+                    by_rank[rank] = report
+                    continue
             why = self._report_problem(report, by_rank)
             if why is not None:
-                rank = getattr(report, "rank", "?")
-                self._refusals.refuse_report(self._lanes, rank, why)
+                who = getattr(report, "rank", "?")
+                self._refusals.refuse_report(self._lanes, who, why)
                 continue
             by_rank[report.rank] = report
         ordered = [by_rank[rank] for rank in sorted(by_rank)]
-        expired_before = self._expired()
+        expired_before = self._expired_total
+        if expired_before is None:
+            expired_before = self._expired()
         refusals = self._refusals
-        native = []
-        for i, lane in enumerate(self._lanes):
-            entries = []
-            for r in ordered:
-                why = r.lane_problem(i)
-                if why is None:
-                    entries.append((r.rank, r.kinds[i], r.payloads[i], r.factors[i]))
-                else:
-                    refusals.refuse(lane, r.rank, why)
-                    entries.append((r.rank, None, None, None))
-            native.append(lane.step(entries, refusals))
+        native = [lane.step(i, ordered, refusals) for i, lane in enumerate(self._lanes)]
         refusals.end_step()
-        self._incidents.observe(
-            self._steps, set(by_rank), self._expired() - expired_before
-        )
+        expired = self._expired_total = self._expired()
+        self._incidents.observe(self._steps, set(by_rank), expired - expired_before)
         self._steps += 1
         return native
 
@@ -529,7 +618,7 @@ class KVMergeMultiConnector(MultiConnector):
         the first step (start-up: misconfiguration should stop it, loudly);
         from then on its reports are dropped and logged, as any bad report.
         """
-        if not isinstance(report, WorkerReport):
+        if type(report) is not WorkerReport and not isinstance(report, WorkerReport):
             return f"not a WorkerReport but {type(report).__name__}"
         why = report.problem()
         if why is not None:
@@ -557,7 +646,7 @@ class KVMergeMultiConnector(MultiConnector):
             self._misconfigured.discard(rank)
         if rank in self._misconfigured:
             return "its settings differ from the scheduler's (logged at its start)"
-        if report.num_lanes != len(self._lanes):
+        if len(report.kinds) != len(self._lanes):
             return (
                 f"{report.num_lanes} lanes for {len(self._lanes)} connectors: "
                 "workers and scheduler must share the same kv_transfer_config"
@@ -608,7 +697,7 @@ class KVMergeMultiConnector(MultiConnector):
             )
         for i, lane in enumerate(self._lanes):
             # A copy per child: the caller's output stays as it was.
-            child_output = copy.copy(connector_output)
+            child_output = _shallow_copy(connector_output)
             child_output.kv_cache_events = native[i]
             child_output.kv_connector_worker_meta = (
                 meta.metadata[i] if meta is not None else None
@@ -631,6 +720,7 @@ class KVMergeMultiConnector(MultiConnector):
             for lane in self._lanes:
                 lane.reset()
             if self._lanes:
+                self._expired_total = None
                 self._incidents.close(self._steps, "closed by reset_cache()")
 
     # ==============================

@@ -25,6 +25,7 @@ where an exception is fatal, and the scheduler side drops just that report.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pickle import PickleBuffer
 from typing import Any, TypeAlias, overload
 
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
@@ -33,6 +34,9 @@ from kvmerge import EventBatch
 
 from .rules import ENCODED_KINDS, KIND_NATIVE, KIND_REFUSED
 from .settings import WorkerSettings
+
+#: ``EventBatch``'s pickle reconstructor (never raises; not in the stubs).
+_batch_from_pickle = EventBatch._from_pickle  # type: ignore[attr-defined]
 
 #: One lane's payload: an encoded batch, the child's own container, or None
 #: when the child returned None this step.
@@ -79,10 +83,12 @@ class WorkerReport:
         """
         if type(self.rank) is not int or type(self.seq) is not int:
             return f"rank {self.rank!r} / seq {self.seq!r} are not integers"
-        lanes = (self.kinds, self.payloads, self.factors)
-        if not all(type(x) is tuple for x in lanes):
+        kinds, payloads, factors = self.kinds, self.payloads, self.factors
+        if not (
+            type(kinds) is tuple and type(payloads) is tuple and type(factors) is tuple
+        ):
             return "kinds, payloads and factors are not tuples"
-        if not (len(self.kinds) == len(self.payloads) == len(self.factors)):
+        if not (len(kinds) == len(payloads) == len(factors)):
             return "kinds, payloads and factors have different lengths"
         return None
 
@@ -144,16 +150,38 @@ class WorkerReport:
         return events
 
     def __reduce__(self) -> tuple[Any, ...]:
+        return (_from_wire, self._wire())
+
+    def _wire(self) -> tuple[Any, ...]:
+        """The fields as pickled: each encoded batch as the ``PickleBuffer``
+        of its bytes, and the lanes that hold one last, for ``_from_wire``
+        to rebuild them (``EventBatch._from_pickle``). A batch met before in
+        this report travels once: later lanes hold the index of the first
+        (an out-of-band ``PickleBuffer`` is not memoized). One
+        reconstructor per message, not one per batch: each global an
+        unpickler finds costs an import lookup, which at decode-size steps
+        was most of a report's cost."""
+        payloads = self.payloads
+        lanes = []
+        first: dict[int, int] = {}
+        wire: list[Any] = list(payloads)
+        for i, payload in enumerate(payloads):
+            if type(payload) is EventBatch:
+                at = first.get(id(payload))
+                if at is None:
+                    first[id(payload)] = i
+                    wire[i] = PickleBuffer(payload)  # type: ignore[arg-type]
+                else:
+                    wire[i] = at
+                lanes.append(i)
         return (
-            _from_wire,
-            (
-                self.rank,
-                self.kinds,
-                self.payloads,
-                self.factors,
-                self.seq,
-                self.settings,
-            ),
+            self.rank,
+            self.kinds,
+            tuple(wire) if lanes else payloads,
+            self.factors,
+            self.seq,
+            self.settings,
+            tuple(lanes),
         )
 
     def __repr__(self) -> str:
@@ -169,13 +197,57 @@ class WorkerReport:
 def _from_wire(*fields: Any) -> WorkerReport:
     """A report as pickled, unchecked: unpickling runs inside vLLM's message
     queue, where an exception is fatal to the engine; ``WorkerReport.problem``
-    checks it where one worker's report can be dropped."""
+    checks it where one worker's report can be dropped.
+
+    A seventh field names the lanes whose payloads are a batch's bytes
+    (``WorkerReport._wire``): rebuilt with ``EventBatch._from_pickle``, which
+    never raises either (bad bytes give a batch whose ``error`` says why)."""
     report = object.__new__(WorkerReport)
-    names = ("rank", "kinds", "payloads", "factors", "seq", "settings")
-    values = (*fields, *((None,) * len(names)))[: len(names)]
-    for name, value in zip(names, values, strict=True):
-        setattr(report, name, value)
+    n = len(fields)
+    if n == 7:
+        (
+            report.rank,
+            report.kinds,
+            payloads,
+            report.factors,
+            report.seq,
+            report.settings,
+            lanes,
+        ) = fields
+        report.payloads = _rebuild(payloads, lanes)
+        return report
+    values = (*fields, *((None,) * 6))[:6]
+    (
+        report.rank,
+        report.kinds,
+        report.payloads,
+        report.factors,
+        report.seq,
+        report.settings,
+    ) = values
     return report
+
+
+def _rebuild(payloads: Any, lanes: Any) -> Any:
+    """The payloads with each named lane's buffer made a batch again, and
+    each lane that names an earlier one given that lane's batch; as they
+    came if the lanes are not a tuple of in-range ints (the report's checks
+    then refuse them)."""
+    if not lanes or type(payloads) is not tuple or type(lanes) is not tuple:
+        return payloads
+    out = list(payloads)
+    n = len(out)
+    for i in lanes:
+        if type(i) is not int or not 0 <= i < n:
+            return payloads
+        buffer = out[i]
+        if type(buffer) is int:
+            # The batch of an earlier lane (left as it is if that is none).
+            if 0 <= buffer < i and type(out[buffer]) is EventBatch:
+                out[i] = out[buffer]
+        else:
+            out[i] = _batch_from_pickle(buffer)
+    return tuple(out)
 
 
 class WorkerReports(Sequence[KVCacheEvent]):
@@ -286,9 +358,31 @@ class KVMergeKVEvents(KVConnectorKVEvents):
         return True
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (KVMergeKVEvents, (tuple(self._reports), self._num_workers))
+        reports = self._reports
+        if not all(type(r) is WorkerReport for r in reports):
+            return (KVMergeKVEvents, (tuple(reports), self._num_workers))
+        # One global for the whole message (see WorkerReport._wire).
+        return (
+            _events_from_wire,
+            (self._num_workers, tuple(r._wire() for r in reports)),
+        )
 
     def __repr__(self) -> str:
         return (
             f"<KVMergeKVEvents workers={self._num_workers} reports={self._reports!r}>"
         )
+
+
+def _events_from_wire(num_workers: Any = 1, reports: Any = (), *_: Any) -> Any:
+    """``KVMergeKVEvents.__reduce__``'s reconstructor: never raises (see
+    ``_from_wire``); what is not a report's fields stays as it came, for the
+    scheduler to refuse."""
+    events = object.__new__(KVMergeKVEvents)
+    events._num_workers = (
+        num_workers if type(num_workers) is int and num_workers > 0 else 1
+    )
+    if type(reports) is tuple:
+        events._reports = [_from_wire(*r) if type(r) is tuple else r for r in reports]
+    else:
+        events._reports = [reports]
+    return events

@@ -71,6 +71,10 @@ class Refusals:
 
     def end_step(self) -> None:
         """Closes the incidents of pairs not refused in the step just merged."""
+        if not self._open:  # the common case: nothing refused, nothing open
+            self._this_step.clear()
+            self.step += 1
+            return
         for key in [k for k in self._open if k not in self._this_step]:
             start, count = self._open.pop(key)
             logger.warning(
