@@ -38,3 +38,14 @@ def vllm_caplog(caplog):
         logger.removeHandler(caplog.handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
+
+
+@pytest.fixture(scope="module")
+def bus():
+    """A real ``ZmqEventPublisher`` and a SUB socket reading it, per module
+    (vllm_harness.Bus; imported here only when a test asks for one)."""
+    from vllm_harness import Bus
+
+    b = Bus()
+    yield b
+    b.close()

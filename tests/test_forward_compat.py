@@ -220,15 +220,6 @@ def test_only_malformed_events_are_refused(event, needle):
 # --- through the real vLLM connector ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bus():
-    from vllm_harness import Bus
-
-    b = Bus()
-    yield b
-    b.close()
-
-
 @pytest.mark.vllm
 @pytest.mark.parametrize(
     ("name", "extra", "events"),

@@ -145,13 +145,6 @@ def ranks(ray_cluster):
                 ray.kill(a)
 
 
-@pytest.fixture(scope="module")
-def bus():
-    b = Bus()
-    yield b
-    b.close()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     register()

@@ -98,13 +98,6 @@ def started_cluster(bus: Bus) -> Cluster:
 
 
 @pytest.fixture(scope="module")
-def bus():
-    b = Bus()
-    yield b
-    b.close()
-
-
-@pytest.fixture(scope="module")
 def cluster(bus):
     """One cluster for every Hypothesis example (a hostile report may leave
     rank 1 marked misconfigured: the property holds all the same)."""

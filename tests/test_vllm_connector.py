@@ -23,7 +23,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 )
 from vllm_children import CountMeta, ThirdPartyKVEvents
 from vllm_harness import (
-    Bus,
     Cluster,
     build,
     child,
@@ -46,13 +45,6 @@ pytestmark = pytest.mark.vllm
 
 SCHEDULER = KVConnectorRole.SCHEDULER
 WORKER = KVConnectorRole.WORKER
-
-
-@pytest.fixture(scope="module")
-def bus():
-    b = Bus()
-    yield b
-    b.close()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -39,7 +39,7 @@ from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllm_children import LMCacheChild
-from vllm_harness import Bus, Cluster, child, shm_roundtrip, stored, worker_output
+from vllm_harness import Cluster, child, shm_roundtrip, stored, worker_output
 
 from kvmerge.vllm import register
 from kvmerge.vllm.stats import METRIC_NAMES
@@ -194,13 +194,6 @@ class StatsChild(LMCacheChild):
         cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
     ):
         return LoadProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-@pytest.fixture(scope="module")
-def bus():
-    b = Bus()
-    yield b
-    b.close()
 
 
 @pytest.fixture(scope="module")
