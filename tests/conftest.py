@@ -49,3 +49,17 @@ def bus():
     b = Bus()
     yield b
     b.close()
+
+
+@pytest.fixture(scope="session")
+def dynamo_python():
+    """The interpreter of the venv holding NVIDIA Dynamo's indexer
+    (``.ci/setup-dynamo.sh``; ``.ci/test`` sets ``KVMERGE_DYNAMO_PYTHON``).
+    Missing is a failure, not a skip: the router check is part of the suite."""
+    python = os.environ.get("KVMERGE_DYNAMO_PYTHON")
+    if not python or not os.path.exists(python):
+        pytest.fail(
+            "KVMERGE_DYNAMO_PYTHON must name the interpreter of the venv made "
+            "by .ci/setup-dynamo.sh (its bin/python); .ci/test sets it"
+        )
+    return python

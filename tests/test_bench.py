@@ -18,8 +18,8 @@ import kvmerge
 from kvmerge.bench import grid_from_args, main, run_bench
 from kvmerge.bench.check import ChildDiff
 from kvmerge.bench.runner import Case, run_case
-from kvmerge.bench.transport import OOB_THRESHOLD, dequeue, enqueue
 from kvmerge.bench.workload import Workload, WorkloadConfig, preset
+from kvmerge.sim.transport import OOB_THRESHOLD, dequeue, enqueue
 
 pytestmark = pytest.mark.vllm
 

@@ -42,8 +42,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+from kvmerge.sim.transport import Wire, dequeue, enqueue
+
 from . import children as bench_children
-from .transport import Wire, dequeue, enqueue
 
 SCHEDULER = KVConnectorRole.SCHEDULER
 WORKER = KVConnectorRole.WORKER

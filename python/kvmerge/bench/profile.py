@@ -42,9 +42,9 @@ import msgspec
 
 import kvmerge
 from kvmerge import EventBatch
+from kvmerge.sim.transport import dequeue, enqueue
 
 from .paths import _wrap
-from .transport import dequeue, enqueue
 from .workload import Workload, preset
 
 _clock = time.perf_counter

@@ -83,3 +83,10 @@ def enqueue(obj: Any) -> Wire:
 
 def dequeue(wire: Wire) -> Any:
     return pickle.loads(wire.main, buffers=[bytearray(b) for b in wire.oob])
+
+
+def shm_roundtrip(obj: Any) -> tuple[Any, int]:
+    """``obj`` after the queue (``enqueue`` then ``dequeue``), and the number of
+    buffers that went out of band."""
+    wire = enqueue(obj)
+    return dequeue(wire), len(wire.oob)

@@ -1,0 +1,431 @@
+"""Child connectors whose events follow what vLLM's scheduler really did.
+
+Each stands for an offloading connector family where KV events are
+concerned, and moves no KV:
+
+* scheduler side: for every request it schedules, once new blocks of it are
+  computed, puts the request's chain of full blocks (vLLM's own block hashes,
+  parents, token ids) in the step's connector metadata (``SaveMeta``);
+  ``reset_cache()`` makes the next metadata empty every rank's tier;
+* worker side: saves those chains in its ``Tier`` (LRU under a capacity) when
+  the model runner waits for the save, and returns the changes as the REAL
+  vLLM container of the family, with this rank's ``Faults`` applied.
+
+=================  ========================  ======  ==========================
+child              container                 rule    who reports what
+=================  ========================  ======  ==========================
+``SimLMCache``     ``LMCacheKVEvents``       all     every rank; None when it
+                                                     has nothing to report
+``SimMooncake``    ``MooncakeStoreKVEvents`` quorum  stores: the ranks that
+                                                     write a replica (group 0
+                                                     replicated ``factor``
+                                                     times); removals: every
+                                                     rank
+``SimUMBP``        ``UMBPStoreKVEvents``     any     every rank the same
+=================  ========================  ======  ==========================
+
+Their scheduler sides also carry the upstream connectors' own
+``update_connector_output`` / ``take_events``, so that a child set to
+``"kv_events_merge": "native"`` shows what vLLM's own path publishes.
+
+``NoTransfer`` is the part every test child shares: the abstract methods of
+``KVConnectorBase_V1`` for a connector that moves no KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
+    LMCacheConnectorV1,
+    LMCacheKVEvents,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+    MooncakeStoreConnector,
+    MooncakeStoreKVEvents,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (
+    UMBPStoreConnector,
+    UMBPStoreKVEvents,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from .tier import Block, Chain, Change, Faults, Reporter, Stored, Tier
+
+MODULE: Final = __name__
+#: A pool outside the host: the tier name Dynamo's router uses for it.
+MEDIUM_EXTERNAL: Final = "EXTERNAL"
+#: The key of a child's settings in its ``kv_connector_extra_config``.
+EXTRA_KEY: Final = "kvmerge_sim"
+
+
+class NoTransfer(KVConnectorBase_V1):
+    """A connector that loads and saves no KV (the abstract methods)."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+
+@dataclass
+class SaveMeta(KVConnectorMetadata):
+    """One step's saves for one child: chains to store, after a reset if set."""
+
+    chains: list[Chain] = field(default_factory=list)
+    reset: bool = False
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A simulated child's settings (its ``kv_connector_extra_config``)."""
+
+    lane: int
+    capacity: int
+    faults: Faults
+
+    def to_extra(self) -> dict[str, Any]:
+        return {
+            EXTRA_KEY: {
+                "lane": self.lane,
+                "capacity": self.capacity,
+                "faults": self.faults.to_extra(),
+            }
+        }
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> Lane:
+        d = extra.get(EXTRA_KEY) or {}
+        return cls(
+            lane=int(d.get("lane", 0)),
+            capacity=int(d.get("capacity", 64)),
+            faults=Faults.from_extra(d.get("faults") or {}),
+        )
+
+
+class _StoreScheduler:
+    """The store-side scheduler object upstream Mooncake/UMBP methods call
+    (``connector_scheduler``): no store behind it, no events of its own."""
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return None
+
+    def invalidate_kv_events(self, events: Iterable[KVCacheEvent]) -> None:
+        return None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return []
+
+    def reset_store(self) -> bool:
+        return True
+
+
+class SimChild(NoTransfer):
+    """Scheduler side: saves; worker side: a tier and this rank's reports."""
+
+    MEDIUM: str = MEDIUM_CPU
+
+    @classmethod
+    def reports_store(cls, rank: int, world_size: int) -> bool:
+        """Whether ``rank`` reports the blocks its tier stores."""
+        return True
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.settings = Lane.from_extra(ktc.kv_connector_extra_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.world_size = int(vllm_config.parallel_config.world_size)
+        self.rank = int(vllm_config.parallel_config.rank)
+        # Scheduler side.
+        self._requests: dict[str, Any] = {}
+        self._chains: dict[str, list[Block]] = {}
+        self._reset = False
+        # Worker side.
+        self.tier = Tier(self.settings.capacity)
+        self.reporter = Reporter(
+            self.settings.faults, self.settings.lane, self.rank, self.world_size
+        )
+        self.step = 0
+        self._changes: list[Change] = []
+        # What the upstream scheduler-side methods use.
+        self._kv_cache_events: Any = None
+        self.connector_scheduler = _StoreScheduler()
+
+    # --- scheduler side ------------------------------------------------------
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        self._requests[request.request_id] = request
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._chains.pop(request.request_id, None)
+        return False, None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = SaveMeta(reset=self._reset)
+        self._reset = False
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            full = min(
+                (request.num_computed_tokens + n) // self.block_size,
+                len(request.block_hashes),
+            )
+            chain = self._chains.setdefault(req_id, [])
+            if full <= len(chain):
+                continue
+            tokens = request.all_token_ids
+            bs = self.block_size
+            for i in range(len(chain), full):
+                chain.append(
+                    Block(
+                        hash=maybe_convert_block_hash(request.block_hashes[i]),
+                        parent=chain[i - 1].hash if i else None,
+                        tokens=tuple(tokens[i * bs : (i + 1) * bs]),
+                    )
+                )
+            meta.chains.append(tuple(chain))
+        return meta
+
+    def reset_cache(self) -> bool | None:
+        self._reset = True
+        self._chains.clear()
+        return True
+
+    # --- worker side -----------------------------------------------------------
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SaveMeta):
+            return
+        if meta.reset:
+            self.tier.clear()
+            self.reporter.reset()
+            self._changes = []
+        self._changes.extend(self.tier.save(meta.chains))
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        changes, self._changes = self._changes, []
+        reports = self.reporter.report(self.step, changes)
+        self.step += 1
+        return self.make_container(self.world_size, self.events(reports))
+
+    def events(self, reports: list[Change]) -> list[KVCacheEvent]:
+        return events(type(self), self.rank, self.world_size, self.block_size, reports)
+
+    @classmethod
+    def make_container(
+        cls, world_size: int, events: list[KVCacheEvent]
+    ) -> KVConnectorKVEvents | None:
+        """The family's container of a rank's events, as its worker builds it."""
+        raise NotImplementedError
+
+
+class SimLMCache(SimChild):
+    """LMCache's events: ``LMCacheKVEvents``, None when there are none;
+    medium ``CPU`` (LMCache's local CPU backend)."""
+
+    MEDIUM = MEDIUM_CPU
+
+    @classmethod
+    def make_container(
+        cls, world_size: int, events: list[KVCacheEvent]
+    ) -> LMCacheKVEvents | None:
+        if not events:
+            return None
+        container = LMCacheKVEvents(num_workers=1)
+        container.add_events(events)
+        return container
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        LMCacheConnectorV1.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return LMCacheConnectorV1.take_events(self)  # type: ignore[arg-type]
+
+
+#: The Mooncake child's group 0 replication factor, when the world allows it.
+REPLICAS: Final = 2
+
+
+def mooncake_factors(world_size: int) -> tuple[int, ...]:
+    """Group TP replication factors: group 0 replicated on ``REPLICAS`` ranks
+    (GQA with fewer KV heads than ranks) when the world size allows it."""
+    return (REPLICAS,) if world_size % REPLICAS == 0 else (1,)
+
+
+class SimMooncake(SimChild):
+    """The Mooncake store's events: ``MooncakeStoreKVEvents`` always, with the
+    group replication factors; a replicated block is written (and its store
+    reported) by one rank of each replica set. Medium ``STORAGE`` (vLLM's
+    ``MEDIUM_STORAGE``; vLLM's own Mooncake store worker writes ``"cpu"`` in
+    lower case, which routers that match media exactly, Dynamo's among them,
+    drop)."""
+
+    MEDIUM = MEDIUM_STORAGE
+
+    @classmethod
+    def reports_store(cls, rank: int, world_size: int) -> bool:
+        # One writer per replica set: the others' stores are its.
+        return rank % mooncake_factors(world_size)[0] == 0
+
+    @classmethod
+    def make_container(
+        cls, world_size: int, events: list[KVCacheEvent]
+    ) -> MooncakeStoreKVEvents:
+        container = MooncakeStoreKVEvents(
+            num_workers=1, group_tp_replication_factors=mooncake_factors(world_size)
+        )
+        container.add_events(events)
+        return container
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        MooncakeStoreConnector.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return MooncakeStoreConnector.take_events(self)  # type: ignore[arg-type]
+
+
+class SimUMBP(SimChild):
+    """UMBP's events: a pool shared by the ranks, ``UMBPStoreKVEvents``.
+
+    Medium ``EXTERNAL``, a tier routers know (Dynamo's external tier): vLLM's
+    own UMBP worker writes ``CPU``, which would put its blocks in the same
+    router tier as LMCache's, where each one's evictions remove the other's
+    blocks."""
+
+    MEDIUM = MEDIUM_EXTERNAL
+
+    @classmethod
+    def make_container(
+        cls, world_size: int, events: list[KVCacheEvent]
+    ) -> UMBPStoreKVEvents:
+        return UMBPStoreKVEvents(events)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        UMBPStoreConnector.update_connector_output(self, connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return UMBPStoreConnector.take_events(self)  # type: ignore[arg-type]
+
+
+def events(
+    cls: type[SimChild],
+    rank: int,
+    world_size: int,
+    block_size: int,
+    reports: list[Change],
+) -> list[KVCacheEvent]:
+    """The events a rank of child ``cls`` sends for its ``reports``."""
+    stores = cls.reports_store(rank, world_size)
+    out: list[KVCacheEvent] = []
+    for c in reports:
+        if isinstance(c, Stored):
+            if stores:
+                b = c.block
+                out.append(
+                    BlockStored(
+                        block_hashes=[b.hash],
+                        parent_block_hash=b.parent,
+                        token_ids=list(b.tokens),
+                        block_size=block_size,
+                        lora_id=None,
+                        medium=cls.MEDIUM,
+                        lora_name=None,
+                        group_idx=0,
+                    )
+                )
+        else:
+            out.append(
+                BlockRemoved(block_hashes=[c.hash], medium=cls.MEDIUM, group_idx=0)
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A simulated family: its child class, the rule kvmerge applies to its
+    container, the faults its ranks show, and its tier's default capacity
+    (blocks: the families differ in size, so their tiers differ in content)."""
+
+    cls: type[SimChild]
+    rule: str
+    faults: Mapping[str, bool]
+    capacity: int
+
+
+_ALL_FAULTS: Final = {"late": True, "lost": True, "repeat": True}
+KINDS: Final = {
+    "lmcache": Kind(SimLMCache, "all", _ALL_FAULTS, 96),
+    "mooncake": Kind(SimMooncake, "quorum", _ALL_FAULTS, 192),
+    # A store shared by the ranks: they report the same events.
+    "umbp": Kind(SimUMBP, "any", {"repeat": True}, 32),
+}
+
+
+def entry(
+    kind: str,
+    lane: int,
+    *,
+    capacity: int | None = None,
+    seed: int = 0,
+    faults: bool = True,
+    rule: str | None = None,
+) -> dict[str, Any]:
+    """A ``connectors`` entry for the simulated child of ``kind``; ``rule``
+    overrides kvmerge's (``"native"``: vLLM's own path)."""
+    k = KINDS[kind]
+    f = Faults(seed=seed, **(k.faults if faults else {}))
+    extra = Lane(lane, capacity or k.capacity, f).to_extra()
+    if rule is not None:
+        extra["kv_events_merge"] = rule
+    return {
+        "kv_connector": k.cls.__name__,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": MODULE,
+        "kv_connector_extra_config": extra,
+    }

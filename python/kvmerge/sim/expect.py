@@ -1,0 +1,176 @@
+"""What the published stream must be, from the rules and nothing else.
+
+``Expected`` follows the engine step by step from each ``SchedulerOutput``'s
+connector metadata, as every worker does: per simulated child one ``Tier``
+(the same on every rank), every rank's ``Reporter`` (its faults), the events
+each rank sends, and ``kvmerge.testing.reference.ReferenceMerger`` (the rules
+of docs/merge-rules.md, written independently of the engine) merging them.
+What it returns for a step is what the connector must publish in that step,
+in child order.
+
+``ParentCheck`` checks what a router's parent chains rely on: every store
+after its parent's, per medium.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvmerge.testing.reference import ReferenceMerger
+
+from . import children
+from .children import EXTRA_KEY, KINDS, Lane, SaveMeta, SimChild, mooncake_factors
+from .tier import Hash, Reporter, Tier
+
+
+@dataclass
+class _Lane:
+    cls: type[SimChild]
+    tier: Tier
+    reporters: list[Reporter]
+    merger: ReferenceMerger
+
+
+def _rule(entry: Mapping[str, Any], cls: type[SimChild]) -> str:
+    """kvmerge's rule for the child: its override, or its container's (also
+    for a child set to vLLM's own path: what kvmerge would publish)."""
+    extra = entry.get("kv_connector_extra_config") or {}
+    override = extra.get("kv_events_merge")
+    if override is not None and override != "native":
+        return str(override)
+    return next(k.rule for k in KINDS.values() if k.cls is cls)
+
+
+class Expected:
+    """Every simulated child's expected publications, step by step."""
+
+    def __init__(self, config: Any) -> None:
+        ktc = config.kv_transfer_config
+        extra = ktc.kv_connector_extra_config
+        self.world_size = int(config.parallel_config.world_size)
+        self.block_size = int(config.cache_config.block_size)
+        max_pending = int(extra.get("max_pending_steps", 32))
+        self.lanes: list[_Lane | None] = []
+        for entry in extra["connectors"]:
+            cls = getattr(children, entry["kv_connector"], None)
+            child_extra = entry.get("kv_connector_extra_config") or {}
+            if (
+                not isinstance(cls, type)
+                or not issubclass(cls, SimChild)
+                or EXTRA_KEY not in child_extra
+            ):
+                self.lanes.append(None)
+                continue
+            lane = Lane.from_extra(child_extra)
+            rule = _rule(entry, cls)
+            factors = mooncake_factors(self.world_size)
+            merger = ReferenceMerger(
+                self.world_size,
+                rule,
+                list(factors) if rule == "quorum" else None,
+                max_pending_steps=max_pending,
+            )
+            self.lanes.append(
+                _Lane(
+                    cls,
+                    Tier(lane.capacity),
+                    [
+                        Reporter(lane.faults, lane.lane, r, self.world_size)
+                        for r in range(self.world_size)
+                    ],
+                    merger,
+                )
+            )
+        self.step = 0
+        #: Reports per lane (every rank).
+        self.reports: Counter[int] = Counter()
+
+    def on_step(self, scheduler_output: Any) -> list[list[Any]]:
+        """Each child's publications under kvmerge's rules for this step ([]
+        where the child is not a simulated one)."""
+        metas = list(getattr(scheduler_output.kv_connector_metadata, "metadata", ()))
+        out: list[list[Any]] = []
+        for i, lane in enumerate(self.lanes):
+            meta = metas[i] if i < len(metas) else None
+            if lane is None or not isinstance(meta, SaveMeta):
+                out.append([])
+                continue
+            if meta.reset:
+                lane.tier.clear()
+                for r in lane.reporters:
+                    r.reset()
+            changes = lane.tier.save(meta.chains)
+            for rank, reporter in enumerate(lane.reporters):
+                events = children.events(
+                    lane.cls,
+                    rank,
+                    self.world_size,
+                    self.block_size,
+                    reporter.report(self.step, changes),
+                )
+                # What the worker side reads back from the family's container
+                # (a Counter groups a rank's repeated reports, for one).
+                container = lane.cls.make_container(self.world_size, events)
+                events = list(container.get_all_events()) if container else []
+                self.reports[i] += len(events)
+                lane.merger.add(rank, events)
+            out.append(lane.merger.finish_step())
+        self.step += 1
+        return out
+
+    def reset(self) -> None:
+        """The engine reset its prefix cache (and the connector)."""
+        for lane in self.lanes:
+            if lane is not None:
+                lane.merger.reset()
+
+
+_encode = msgspec.msgpack.encode
+
+
+def same_events(got: Sequence[Any], want: Sequence[Any]) -> str | None:
+    """None when equal (as the publisher encodes them), else where they differ."""
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        if _encode(g) != _encode(w):
+            return f"event {i}: published {g!r}, expected {w!r}"
+    if len(got) != len(want):
+        return f"published {len(got)} events, expected {len(want)}"
+    return None
+
+
+@dataclass
+class ParentCheck:
+    """Whether every store comes after a store of its parent (not removed
+    since), per key (a medium: a child, or the GPU block pool), since the
+    last clear."""
+
+    held: dict[Any, set[Hash]] = field(default_factory=dict)
+    stores: int = 0
+    orphans: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def apply(self, key: Any, events: Iterable[Any]) -> None:
+        for event in events:
+            kind = type(event).__name__
+            if kind == "AllBlocksCleared":
+                self.held.clear()
+                continue
+            blocks = self.held.setdefault(key, set())
+            if kind == "BlockRemoved":
+                blocks.difference_update(event.block_hashes)
+                continue
+            self.stores += 1
+            parent = event.parent_block_hash
+            if parent is not None and parent not in blocks:
+                self.orphans += 1
+                if len(self.examples) < 3:
+                    self.examples.append(
+                        f"{key}: store of {event.block_hashes[0]} before its "
+                        f"parent {parent}"
+                    )
+            blocks.update(event.block_hashes)
