@@ -63,6 +63,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
+import ray_actors  # noqa: E402
+
 #: Row name -> (children, native). Native rows use the child as the connector.
 ROWS: dict[str, tuple[list[str], bool]] = {
     "kvmerge  LMCache": (["LMCacheChild"], False),
@@ -83,16 +85,15 @@ def child_entries(names: list[str]) -> list[dict[str, Any]]:
 
 
 def config(names: list[str], native: bool, tp: int) -> Any:
-    import ray_actors
-    from vllm_harness import make_config
+    from kvmerge.sim.model import connector_config
 
     entries = child_entries(names)
     if native:
         return ray_actors.native_config(entries[0], tp=tp)
-    return make_config(entries, tp=tp)
+    return connector_config(entries, tp=tp)
 
 
-class BenchRank:
+class BenchRank(ray_actors.ResponseQueue):
     """One rank: one worker-side connector per row (built once)."""
 
     def __init__(self, rank: int, tp: int, rows: dict[str, Any]) -> None:
@@ -100,19 +101,18 @@ class BenchRank:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorRole,
         )
-        from vllm_harness import build, worker_config
 
+        from kvmerge.sim.model import create_connector, worker_config
         from kvmerge.vllm import register
 
         register()
         self.rank = rank
         self.connectors: dict[str, tuple[Any, list[Any]]] = {}
         for name, (names, native) in rows.items():
-            conn = build(
+            conn = create_connector(
                 worker_config(config(names, native, tp), rank), KVConnectorRole.WORKER
             )
             self.connectors[name] = (conn, [conn] if native else conn.sub_connectors)
-        self.worker_response_mq: Any = None
         self.seconds: list[float] = []
 
     def ready(self) -> int:
@@ -122,8 +122,6 @@ class BenchRank:
         return None
 
     def emit(self, name: str, step: int, events: int, tokens: int) -> None:
-        import ray_actors
-
         _conn, children = self.connectors[name]
         for lane, child in enumerate(children):
             group = 0 if type(child).__name__ == "MooncakeChild" else None
@@ -147,28 +145,6 @@ class BenchRank:
     def take_seconds(self) -> list[float]:
         out, self.seconds = self.seconds, []
         return out
-
-    def open_mq(self, same_node: bool) -> Any:
-        import ray
-        from vllm.distributed.device_communicators.shm_broadcast import (
-            MessageQueue,
-        )
-
-        self.close_mq()
-        self.worker_response_mq = MessageQueue(
-            n_reader=1,
-            n_local_reader=1 if same_node else 0,
-            connect_ip=ray.util.get_node_ip_address(),
-        )
-        return self.worker_response_mq.export_handle()
-
-    def mq_ready(self) -> None:
-        self.worker_response_mq.wait_until_ready()
-
-    def close_mq(self) -> None:
-        if self.worker_response_mq is not None:
-            self.worker_response_mq.shutdown()
-            self.worker_response_mq = None
 
 
 def pickled_sizes(output: Any, oob_threshold: int) -> tuple[int, int]:
@@ -205,11 +181,13 @@ def run_row(
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.executor.multiproc_executor import WorkerProc
-    from vllm_harness import build
+
+    from kvmerge.sim.model import create_connector
+    from kvmerge.sim.transport import OOB_THRESHOLD
 
     names, native = ROWS[name]
     tp = args.tp
-    scheduler = build(config(names, native, tp), KVConnectorRole.SCHEDULER)
+    scheduler = create_connector(config(names, native, tp), KVConnectorRole.SCHEDULER)
     aggregator = KVOutputAggregator.from_connector(scheduler, tp)
     encoder = msgspec.msgpack.Encoder()
     collect_s: list[float] = []
@@ -234,7 +212,7 @@ def run_row(
         t1 = time.perf_counter()
         if step == 0:  # sizes, before the aggregator adds to outputs[0]
             inband, oob = pickled_sizes(
-                outputs[0], 0 if transport == "ray" else 1024 * 1024
+                outputs[0], 0 if transport == "ray" else OOB_THRESHOLD
             )
             sizes = {"inband": inband, "oob": oob}
             if transport == "ray":
@@ -276,10 +254,10 @@ def local_costs(args: argparse.Namespace) -> None:
     the worker's output, pickling it as Ray does (protocol 5, every buffer out
     of band), unpickling it from received bytes. Less sensitive to machine
     load than the Ray runs, and it splits their ``collect`` column."""
-    import ray_actors
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm_harness import build, worker_config, worker_output
+    from vllm_harness import worker_output
 
+    from kvmerge.sim.model import create_connector, worker_config
     from kvmerge.vllm import register
 
     register()
@@ -289,7 +267,7 @@ def local_costs(args: argparse.Namespace) -> None:
     )
     for name, (names, native) in ROWS.items():
         cfg = worker_config(config(names, native, args.tp), 0)
-        conn = build(cfg, KVConnectorRole.WORKER)
+        conn = create_connector(cfg, KVConnectorRole.WORKER)
         children = [conn] if native else conn.sub_connectors
         build_s, dump_s, load_s = [], [], []
         for step in range(args.warmup + args.steps):
@@ -323,9 +301,9 @@ def local_costs(args: argparse.Namespace) -> None:
 def open_mqs(ray: Any, actors: list[Any], same_node: bool) -> list[Any]:
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    handles = ray.get([a.open_mq.remote(same_node) for a in actors])
+    handles = ray.get([a.open_response_mq.remote(same_node) for a in actors])
     mqs = [MessageQueue.create_from_handle(h, 0) for h in handles]
-    ready = [a.mq_ready.remote() for a in actors]
+    ready = [a.response_mq_ready.remote() for a in actors]
     for mq in mqs:
         mq.wait_until_ready()
     ray.get(ready)
@@ -359,7 +337,6 @@ def main(argv: list[str] | None = None) -> int:
         if t not in TRANSPORTS:
             parser.error(f"unknown transport {t!r}")
 
-    import ray_actors
     import vllm_harness  # noqa: F401  (vLLM's logging is set up on import)
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -403,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                     print_row(results[-1])
             finally:
                 if mqs is not None:
-                    ray.get([a.close_mq.remote() for a in actors])
+                    ray.get([a.close_response_mq.remote() for a in actors])
                     for mq in mqs:
                         mq.shutdown()
     finally:

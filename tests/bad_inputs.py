@@ -10,6 +10,8 @@ class (and the standard class it also is) and its exact message. A case that
 is accepted, or that fails with anything but a kvmerge error or a
 ``TypeError``/``IndexError`` for a wrong argument type, is printed as such
 and makes ``check()`` fail.
+
+``stored`` builds the valid ``BlockStored`` the core tests start from.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import array
 import pickle
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -25,9 +28,11 @@ import kvmerge
 from kvmerge import EventBatch, Merger
 
 
-def stored(**fields) -> BlockStored:
+def stored(*hashes: int | bytes, **fields: Any) -> BlockStored:
+    """A valid store of block(s) ``hashes`` (default: 1), two token ids in a
+    16-token block, on the GPU; ``fields`` replace any of its fields."""
     base = dict(
-        block_hashes=[1],
+        block_hashes=list(hashes or [1]),
         parent_block_hash=None,
         token_ids=[1, 2],
         block_size=16,

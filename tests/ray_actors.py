@@ -10,9 +10,9 @@ Ray cluster (used by test_ray.py and benches/ray_transport.py).
   ``ModelRunnerOutput``, built as vLLM's model runner builds it, either as the
   actor method's result (Ray's serialization and object store: ``ray.get``)
   or through a response ``MessageQueue`` made as vLLM 0.33.0's
-  ``RayWorkerProc`` makes it (shared memory for a worker on the executor's
-  node, TCP for a worker on another node), enqueued by vLLM's own
-  ``WorkerProc.enqueue_output``.
+  ``RayWorkerProc`` makes it (``ResponseQueue``: shared memory for a worker
+  on the executor's node, TCP for a worker on another node), enqueued by
+  vLLM's own ``WorkerProc.enqueue_output``.
 * ``probe_rebuild`` / ``BufferProbe``: pickle exactly as ``EventBatch`` does
   (``EventBatch.from_buffer`` of a protocol-5 ``PickleBuffer``) but record what
   the unpickler hands over, so a test can see whose memory Ray passes on.
@@ -227,7 +227,38 @@ class BufferProbe:
 
 
 # --- ranks -------------------------------------------------------------------
-class RankActor:
+class ResponseQueue:
+    """vLLM 0.33.0 RayExecutorV2's response queue, on a worker actor."""
+
+    #: The name WorkerProc.enqueue_output reads.
+    worker_response_mq: Any = None
+
+    def open_response_mq(self, same_node: bool) -> Any:
+        """``RayWorkerProc._init_message_queues``: one reader, the executor;
+        shared memory when on the executor's node, else TCP."""
+        import ray
+        from vllm.distributed.device_communicators.shm_broadcast import (
+            MessageQueue,
+        )
+
+        self.close_response_mq()
+        self.worker_response_mq = MessageQueue(
+            n_reader=1,
+            n_local_reader=1 if same_node else 0,
+            connect_ip=ray.util.get_node_ip_address(),
+        )
+        return self.worker_response_mq.export_handle()
+
+    def response_mq_ready(self) -> None:
+        self.worker_response_mq.wait_until_ready()
+
+    def close_response_mq(self) -> None:
+        if self.worker_response_mq is not None:
+            self.worker_response_mq.shutdown()
+            self.worker_response_mq = None
+
+
+class RankActor(ResponseQueue):
     """One worker rank: a worker-side ``KVMergeMultiConnector`` (children:
     ``vllm_children`` entries) in its own process.
 
@@ -248,33 +279,21 @@ class RankActor:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorRole,
         )
-        from vllm_harness import build, make_config, worker_config
+        from vllm_harness import init_tp_group
 
+        from kvmerge.sim.model import connector_config, create_connector, worker_config
         from kvmerge.vllm import register
 
         register()
         self.rank = rank
-        cfg = make_config(children, tp=tp, **dict(extra or {}))
+        cfg = connector_config(children, tp=tp, **dict(extra or {}))
         self.dist = dist_port is not None
         if dist_port is not None:
-            from vllm.config import set_current_vllm_config
-            from vllm.distributed import parallel_state as ps
-
-            with set_current_vllm_config(cfg):
-                ps.init_distributed_environment(
-                    world_size=tp,
-                    rank=rank,
-                    distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
-                    local_rank=rank,
-                    backend="gloo",
-                )
-                ps.initialize_model_parallel(tp, 1, backend="gloo")
+            init_tp_group(cfg, rank, dist_port)
         else:
             cfg = worker_config(cfg, rank)
-        self.connector = build(cfg, KVConnectorRole.WORKER)
+        self.connector = create_connector(cfg, KVConnectorRole.WORKER)
         self.children = list(self.connector.sub_connectors)
-        #: The name WorkerProc.enqueue_output reads.
-        self.worker_response_mq: Any = None
 
     def ready(self) -> dict[str, Any]:
         times = os.times()
@@ -302,30 +321,6 @@ class RankActor:
         return worker_output(self.connector, **fields)
 
     # --- vLLM 0.33.0 RayExecutorV2's response queue -----------------------
-    def open_response_mq(self, same_node: bool) -> Any:
-        """``RayWorkerProc._init_message_queues``: one reader, the executor;
-        shared memory when on the executor's node, else TCP."""
-        import ray
-        from vllm.distributed.device_communicators.shm_broadcast import (
-            MessageQueue,
-        )
-
-        self.close_response_mq()
-        self.worker_response_mq = MessageQueue(
-            n_reader=1,
-            n_local_reader=1 if same_node else 0,
-            connect_ip=ray.util.get_node_ip_address(),
-        )
-        return self.worker_response_mq.export_handle()
-
-    def response_mq_ready(self) -> None:
-        self.worker_response_mq.wait_until_ready()
-
-    def close_response_mq(self) -> None:
-        if self.worker_response_mq is not None:
-            self.worker_response_mq.shutdown()
-            self.worker_response_mq = None
-
     def step_mq(self, lanes: Sequence[Any], **fields: Any) -> None:
         """Like ``step``, but the output goes back as vLLM's worker sends it:
         ``WorkerProc.enqueue_output`` on the response ``MessageQueue``."""
@@ -363,26 +358,14 @@ class RankActor:
 # --- configs and events --------------------------------------------------------
 def native_config(child_entry: Mapping[str, Any], *, tp: int) -> Any:
     """A VllmConfig whose connector IS the child (vLLM's own container path)."""
-    from vllm.config import (
-        DeviceConfig,
-        KVEventsConfig,
-        KVTransferConfig,
-        ParallelConfig,
-        VllmConfig,
-    )
+    from kvmerge.sim.model import connector_config
 
-    return VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector=child_entry["kv_connector"],
-            kv_role="kv_both",
-            kv_connector_module_path=child_entry["kv_connector_module_path"],
-            kv_connector_extra_config=dict(
-                child_entry.get("kv_connector_extra_config") or {}
-            ),
-        ),
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
+    return connector_config(
+        None,
+        tp=tp,
+        connector=child_entry["kv_connector"],
+        module_path=child_entry["kv_connector_module_path"],
+        **dict(child_entry.get("kv_connector_extra_config") or {}),
     )
 
 

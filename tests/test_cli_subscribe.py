@@ -23,15 +23,21 @@ import pytest
 import strategies
 from hypothesis import given
 from hypothesis import strategies as st
-from test_cli_demo import CONNECTORS, demo_with_subscriber, lane_table, number
+from test_cli_demo import (
+    CONNECTORS,
+    demo_with_subscriber,
+    lane_table,
+    number,
+    published,
+)
 
 pytestmark = pytest.mark.vllm
 
 CMD = [sys.executable, "-m", "kvmerge"]
 MEDIUM = {
-    "DemoLMCacheConnector": "LMCACHE",
-    "DemoMooncakeConnector": "MOONCAKE",
-    "DemoUMBPConnector": "UMBP",
+    "SimLMCache": "CPU",
+    "SimMooncake": "STORAGE",
+    "SimUMBP": "EXTERNAL",
 }
 
 
@@ -237,11 +243,8 @@ def test_subscribe_reads_the_demo_stream_completely():
     demo, sub = run.demo.stdout, run.subscriber
     assert run.demo.returncode == 0, demo + run.demo.stderr[-3000:]
     assert sub.returncode == 0, sub.stdout + sub.stderr[-3000:]
-    m = re.search(
-        r"^published ([\d,]+) batches, ([\d,]+) events \((\d+) All", demo, re.M
-    )
-    assert m, demo
-    n_batches, n_events, n_clears = (number(g) for g in m.groups())
+    n_batches, n_events, media = published(demo)
+    n_clears = media["-"]
     m = re.search(
         r"^summary after [\d.]+s: batches ([\d,]+), events ([\d,]+), seq 0\.\.(\d+), "
         # Batches published before the subscription took effect come from the
@@ -252,7 +255,7 @@ def test_subscribe_reads_the_demo_stream_completely():
     )
     assert m, sub.stdout
     assert [number(g) for g in m.groups()[:3]] == [n_batches, n_events, n_batches - 1]
-    # Per event type and medium: each demo connector has its own medium.
+    # Per event type and medium: each simulated child has its own medium.
     rows = {
         (etype, medium): number(n)
         for etype, medium, n in re.findall(
@@ -265,7 +268,8 @@ def test_subscribe_reads_the_demo_stream_completely():
         medium = MEDIUM[connector]
         per_medium = sum(n for (_t, m), n in rows.items() if m == medium)
         assert per_medium == table[connector][1], connector  # its events out
-    assert rows[("BlockRemoved", "UMBP")] > 0 and rows[("BlockStored", "MOONCAKE")] > 0
+    assert rows[("BlockRemoved", "EXTERNAL")] > 0
+    assert rows[("BlockStored", "STORAGE")] > 0 and rows[("BlockStored", "GPU")] > 0
     assert f"wrote {n_batches} batches to {run.jsonl}" in sub.stdout
 
 
@@ -280,15 +284,14 @@ def test_subscribe_writes_the_stream_as_json_lines():
     assert replayed == sorted(replayed, reverse=True)
     assert all(b["data_parallel_rank"] == 0 for b in batches)
     events = [e for b in batches for e in b["events"]]
-    m = re.search(r"^published [\d,]+ batches, ([\d,]+) events", run.demo.stdout, re.M)
-    assert m and len(events) == number(m.group(1))
+    assert len(events) == published(run.demo.stdout)[1]
     kinds = Counter(e["type"] for e in events)
     assert set(kinds) == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
     store = next(e for e in events if e["type"] == "BlockStored")
     assert {"block_hashes", "parent_block_hash", "token_ids", "block_size"} <= set(
         store
     )
-    assert store["medium"] in MEDIUM.values()
+    assert store["medium"] in {"GPU", *MEDIUM.values()}
 
 
 # --- the command on its own: no vLLM, and a timeout for the first batch ---------

@@ -1,13 +1,15 @@
 """Every bad input gets its own exception class, with a message naming it."""
 
+import functools
 import pickle
 
+import bad_inputs
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import events
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 
 import kvmerge
 from kvmerge import (
@@ -21,18 +23,8 @@ from kvmerge import (
     RankError,
 )
 
-
-def stored(**fields):
-    base = dict(
-        block_hashes=[1, 2],
-        parent_block_hash=None,
-        token_ids=[1, 2, 3],
-        block_size=16,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
-    return BlockStored(**{**base, **fields})
+#: A store of blocks 1 and 2 with three token ids; keywords replace fields.
+stored = functools.partial(bad_inputs.stored, 1, 2, token_ids=[1, 2, 3])
 
 
 GOOD = [stored(group_idx=0), BlockRemoved(block_hashes=[b"\x01"], medium=None)]

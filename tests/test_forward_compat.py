@@ -45,8 +45,11 @@ KNOWN = {
 }
 
 
-def future_stored(h: int, group: int | None = None, **extra) -> FutureStored:
-    return FutureStored(
+def plain_stored(
+    h: int, group: int | None = None, *, cls: type[BlockStored] = BlockStored, **extra
+) -> BlockStored:
+    """A store of block ``h`` (4 tokens) as ``cls``, ``extra`` its own fields."""
+    return cls(
         block_hashes=[h],
         parent_block_hash=None,
         token_ids=[1, 2, 3, 4],
@@ -59,17 +62,8 @@ def future_stored(h: int, group: int | None = None, **extra) -> FutureStored:
     )
 
 
-def plain_stored(h: int, group: int | None = None) -> BlockStored:
-    return BlockStored(
-        block_hashes=[h],
-        parent_block_hash=None,
-        token_ids=[1, 2, 3, 4],
-        block_size=4,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-    )
+def future_stored(h: int, group: int | None = None, **extra) -> BlockStored:
+    return plain_stored(h, group, cls=FutureStored, **extra)
 
 
 def known(event):

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import bad_inputs
 import msgspec
 import msgspec.structs
 import pytest
@@ -614,15 +615,7 @@ def test_only_exact_immutable_types_are_borrowed():
 def _good_batch() -> EventBatch:
     return kvmerge.encode(
         [
-            BlockStored(
-                block_hashes=[1, 2],
-                parent_block_hash=None,
-                token_ids=[1, 2, 3],
-                block_size=16,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-            ),
+            bad_inputs.stored(1, 2, token_ids=[1, 2, 3]),
             BlockRemoved(block_hashes=[3], medium=None),
             AllBlocksCleared(),
         ]
@@ -856,8 +849,6 @@ def test_every_bad_input_is_refused_as_documented():
     """docs/robustness.md shows tests/bad_inputs.py's output, and that output
     is all refusals of the right kinds (regenerate the table if this fails
     after a message changed)."""
-    import bad_inputs
-
     assert bad_inputs.check() == []
     doc = (Path(__file__).resolve().parents[1] / "docs" / "robustness.md").read_text()
     block = doc.split("<!-- bad-inputs:begin -->\n")[1].split(

@@ -56,18 +56,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (  # noq
     UMBPStoreKVEvents,
 )
 from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: E402
-from vllm_harness import (  # noqa: E402
-    Bus,
-    build,
-    child,
-    cleared,
-    make_config,
-    removed,
-    stored,
-)
+from vllm_harness import Bus, child, cleared, removed, stored  # noqa: E402
 
 import kvmerge  # noqa: E402
 from kvmerge import EventBatch  # noqa: E402
+from kvmerge.sim.model import connector_config, create_connector  # noqa: E402
+from kvmerge.sim.transport import OOB_THRESHOLD  # noqa: E402
 from kvmerge.testing.reference import (  # noqa: E402
     COUNTERS,
     ReferenceMerger,
@@ -246,8 +240,8 @@ def resolve(events: Any) -> Any:
 
 
 def scheduler_side() -> tuple[Any, KVOutputAggregator]:
-    cfg = make_config(CHILDREN, tp=TP)
-    scheduler = build(cfg, KVConnectorRole.SCHEDULER)
+    cfg = connector_config(CHILDREN, tp=TP)
+    scheduler = create_connector(cfg, KVConnectorRole.SCHEDULER)
     return scheduler, KVOutputAggregator.from_connector(scheduler, TP)
 
 
@@ -305,7 +299,7 @@ def run_big_step(
     for out in outputs:
         batch = out.kv_connector_output.kv_cache_events.reports[0].payloads[0]
         assert isinstance(batch, EventBatch) and len(batch) == BIG
-        assert batch.nbytes > 1024 * 1024  # out of band in the MessageQueue too
+        assert batch.nbytes > OOB_THRESHOLD  # out of band in the MessageQueue too
     if inspect is not None:  # before the aggregator adds to outputs[0]
         inspect(outputs, refs)
     got = bus.publish(schedule(scheduler, aggregator, outputs, 0))

@@ -16,16 +16,9 @@ import random
 import resource
 
 import pytest
-from vllm_harness import (
-    Bus,
-    Cluster,
-    child,
-    removed,
-    shm_roundtrip,
-    stored,
-    worker_output,
-)
+from vllm_harness import Bus, Cluster, child, removed, stored, worker_output
 
+from kvmerge.sim.transport import shm_roundtrip
 from kvmerge.vllm import register
 
 pytestmark = pytest.mark.vllm

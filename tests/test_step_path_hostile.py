@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.outputs import KVConnectorOutput
-from vllm_children import ThirdPartyKVEvents
 from vllm_harness import Bus, Cluster, child, stored, worker_output
 
 import kvmerge
+from kvmerge.sim.children import ListKVEvents
 from kvmerge.vllm import KVMergeKVEvents, register
 from kvmerge.vllm.container import _from_wire
 from kvmerge.vllm.settings import WorkerSettings
@@ -135,7 +135,7 @@ def test_no_report_makes_the_step_path_raise(cluster, hostile):
 def test_a_foreign_container_is_refused_not_raised(fresh):
     cluster = fresh
     before = cluster.scheduler._lanes[0].refused
-    foreign = ThirdPartyKVEvents([stored(3)])
+    foreign = ListKVEvents([stored(3)])
     cluster.scheduler.update_connector_output(
         KVConnectorOutput(kv_cache_events=foreign)
     )

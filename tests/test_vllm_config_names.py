@@ -198,7 +198,8 @@ def test_a_config_made_before_the_plugin_loaded_is_run_with_a_warning(vllm_caplo
     name: the connector still runs, and says at start-up what vLLM skipped."""
     from vllm.config import DeviceConfig, KVEventsConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvmerge.sim.model import create_connector
 
     patched = KVTransferConfig.__post_init__
     try:
@@ -214,11 +215,8 @@ def test_a_config_made_before_the_plugin_loaded_is_run_with_a_warning(vllm_caplo
         kv_transfer_config=ktc,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
     )
-    kv_cache = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[])
     with vllm_caplog.at_level(logging.WARNING):
-        conn = KVConnectorFactory.create_connector(
-            cfg, KVConnectorRole.SCHEDULER, kv_cache
-        )
+        conn = create_connector(cfg, KVConnectorRole.SCHEDULER)
     assert type(conn) is KVMergeMultiConnector
     (line,) = [
         r.getMessage()

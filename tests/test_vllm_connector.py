@@ -21,21 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
     MultiKVConnectorWorkerMetadata,
 )
-from vllm_children import CountMeta, ThirdPartyKVEvents
-from vllm_harness import (
-    Cluster,
-    build,
-    child,
-    cleared,
-    make_config,
-    removed,
-    shm_roundtrip,
-    stored,
-    worker_config,
-    worker_output,
-)
+from vllm_children import CountMeta
+from vllm_harness import Cluster, child, cleared, removed, stored, worker_output
 
 import kvmerge
+from kvmerge.sim.children import ListKVEvents
+from kvmerge.sim.model import connector_config, create_connector, worker_config
+from kvmerge.sim.transport import shm_roundtrip
 from kvmerge.testing.reference import ReferenceMerger, assert_same_events
 from kvmerge.vllm import KVMergeKVEvents, KVMergeMultiConnector, register
 from kvmerge.vllm.container import WorkerReports
@@ -84,9 +76,9 @@ def test_factory_builds_it_by_module_path_and_by_registered_name():
     register()
     register()  # idempotent: vLLM loads plugins in every process, maybe twice
     for module_path in ("kvmerge.vllm", None):
-        cfg = make_config([child("LMCacheChild")], module_path=module_path)
+        cfg = connector_config([child("LMCacheChild")], module_path=module_path)
         for role in (SCHEDULER, WORKER):
-            conn = build(cfg, role)
+            conn = create_connector(cfg, role)
             assert type(conn) is KVMergeMultiConnector
             assert isinstance(conn, MultiConnector)
             assert type(conn.sub_connectors[0]).__name__ == "LMCacheChild"
@@ -326,7 +318,7 @@ def test_lanes_by_position_with_native_and_silent_children(bus):
     for lane in (0, 1, 2):
         assert [x.kv_cache_events for x in sched[lane].received] == [None, None]
     native = sched[3].received
-    assert [type(x.kv_cache_events) for x in native] == [ThirdPartyKVEvents] * 2
+    assert [type(x.kv_cache_events) for x in native] == [ListKVEvents] * 2
     # Combined with the child's own methods: workers that returned None do not
     # count, as in upstream's KVOutputAggregator.
     assert [x.num_workers for x in native] == [2, 1]
@@ -358,7 +350,7 @@ def test_children_get_their_own_output_fields(bus):
     assert [g.worker_meta for g in got] == [CountMeta("a", 2), CountMeta("b", 2), None]
     assert all(g.finished_sending == {"req-1"} for g in got)
     assert got[0].kv_cache_events is None and got[2].kv_cache_events is None
-    assert isinstance(got[1].kv_cache_events, ThirdPartyKVEvents)
+    assert isinstance(got[1].kv_cache_events, ListKVEvents)
     assert c.bus.publish(list(c.scheduler.take_events())) == [stored(1), stored(2)]
 
 
@@ -402,7 +394,7 @@ def test_without_kv_events_children_are_drained_but_nothing_is_encoded(bus):
     out = c.aggregate()
     reports = out.kv_connector_output.kv_cache_events.reports
     assert [rep.payloads[0] for rep in reports] == [None, None]
-    assert all(isinstance(rep.payloads[1], ThirdPartyKVEvents) for rep in reports)
+    assert all(isinstance(rep.payloads[1], ListKVEvents) for rep in reports)
     # The native child still gets its container (its own bookkeeping).
     assert c.bus.publish(c.schedule(out)) == [stored(2)]
     assert all(w.sub_connectors[0].drained == 1 for w in c.workers)
@@ -481,8 +473,8 @@ def test_container_pickles_out_of_band_and_aggregates_without_decoding(
 
 
 def test_container_interface(bus):
-    cfg = make_config([child("UMBPChild")], tp=2)
-    workers = [build(worker_config(cfg, r), WORKER) for r in range(2)]
+    cfg = connector_config([child("UMBPChild")], tp=2)
+    workers = [create_connector(worker_config(cfg, r), WORKER) for r in range(2)]
     for w in workers:
         w.sub_connectors[0].emit([stored(1)])
     a, b = (w.get_kv_connector_kv_cache_events() for w in workers)
@@ -527,10 +519,10 @@ def test_container_interface(bus):
     ],
 )
 def test_misconfiguration_fails_at_construction(children, extra, needle):
-    cfg = make_config(children, **extra)
+    cfg = connector_config(children, **extra)
     for role in (SCHEDULER, WORKER):
         with pytest.raises(kvmerge.ConfigError) as err:
-            build(cfg, role)
+            create_connector(cfg, role)
         assert needle in str(err.value)
 
 
@@ -607,7 +599,7 @@ def test_random_steps_match_the_reference_model(bus, name, extra, rule, factors)
 
 
 def test_hybrid_kv_cache_manager_needs_every_child_to_support_it():
-    cfg = make_config([child("LMCacheChild")])
+    cfg = connector_config([child("LMCacheChild")])
     # vLLM turned it off (the config is MultiConnector's, by the alias): turn
     # it on by hand, as --no-disable-hybrid-kv-cache-manager would; then vLLM's
     # factory refuses, as for MultiConnector with such a child.
@@ -615,12 +607,12 @@ def test_hybrid_kv_cache_manager_needs_every_child_to_support_it():
     assert cfg.scheduler_config.disable_hybrid_kv_cache_manager
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
     with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
-        build(cfg, SCHEDULER)
+        create_connector(cfg, SCHEDULER)
 
 
 def test_world_and_rank_under_the_external_launcher():
     # One scheduler per process, fed by its own worker only.
-    cfg = worker_config(make_config([child("LMCacheChild")], tp=4), 3)
+    cfg = worker_config(connector_config([child("LMCacheChild")], tp=4), 3)
     assert worker_rank(cfg) == 3 and aggregated_world_size(cfg) == 4
     cfg.parallel_config.distributed_executor_backend = "external_launcher"
     assert worker_rank(cfg) == 0 and aggregated_world_size(cfg) == 1
@@ -651,12 +643,12 @@ def test_worker_loss_is_logged_once_per_incident(bus, vllm_caplog):
 def mismatched_cluster(bus, **worker_changes):
     """A TP 2 cluster whose rank 1 worker was built from another config."""
     c = Cluster([child("LMCacheChild"), child("UMBPChild")], bus, tp=2)
-    odd = make_config(
+    odd = connector_config(
         worker_changes.pop("children", [child("LMCacheChild"), child("UMBPChild")]),
         tp=2,
         **worker_changes,
     )
-    c.workers[1] = build(worker_config(odd, 1), WORKER)
+    c.workers[1] = create_connector(worker_config(odd, 1), WORKER)
     return c
 
 
@@ -704,10 +696,10 @@ def test_after_start_up_a_restarted_worker_with_other_settings_is_dropped_and_lo
     c.emit(1, 0, [s1])
     assert c.step() == [s1]
     # Rank 1 restarts from a config with KV events off.
-    odd = make_config(
+    odd = connector_config(
         [child("LMCacheChild", kv_events_merge="any")], tp=2, kv_events=False
     )
-    c.workers[1] = build(worker_config(odd, 1), WORKER)
+    c.workers[1] = create_connector(worker_config(odd, 1), WORKER)
     c.emit(0, 0, [s2])
     c.emit(1, 0, [s2])
     with caplog.at_level(logging.WARNING, logger="vllm.kvmerge"):

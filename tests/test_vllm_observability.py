@@ -39,8 +39,10 @@ from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllm_children import LMCacheChild
-from vllm_harness import Cluster, child, shm_roundtrip, stored, worker_output
+from vllm_harness import Cluster, child, stored, worker_output
 
+from kvmerge.sim.model import model_dir
+from kvmerge.sim.transport import shm_roundtrip
 from kvmerge.vllm import register
 from kvmerge.vllm.stats import METRIC_NAMES
 
@@ -198,24 +200,8 @@ class StatsChild(LMCacheChild):
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory):
-    """A real ModelConfig for the stat loggers, from a local tiny config."""
-    path = tmp_path_factory.mktemp("tiny")
-    (path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 4,
-                "num_hidden_layers": 1,
-                "vocab_size": 128,
-                "max_position_embeddings": 256,
-                "torch_dtype": "float32",
-            }
-        )
-    )
+    """A real ModelConfig for the stat loggers, from the harness's tiny model."""
+    path = model_dir(tmp_path_factory.mktemp("tiny"))
     return ModelConfig(
         model=str(path), skip_tokenizer_init=True, served_model_name="tiny"
     )

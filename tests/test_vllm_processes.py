@@ -23,9 +23,11 @@ import vllm_mq_worker as script
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm_harness import Bus, build, make_config
+from vllm_harness import Bus
 
 from kvmerge import EventBatch
+from kvmerge.sim.model import connector_config, create_connector
+from kvmerge.sim.transport import OOB_THRESHOLD
 from kvmerge.vllm import register
 
 pytestmark = pytest.mark.vllm
@@ -56,8 +58,8 @@ def test_workers_through_the_shm_message_queue():
             queues.append(MessageQueue.create_from_handle(pipe.recv(), 0))
         for q in queues:
             q.wait_until_ready()
-        cfg = make_config(script.children(), tp=script.TP)
-        scheduler = build(cfg, KVConnectorRole.SCHEDULER)
+        cfg = connector_config(script.children(), tp=script.TP)
+        scheduler = create_connector(cfg, KVConnectorRole.SCHEDULER)
         aggregator = KVOutputAggregator.from_connector(scheduler, script.TP)
         for step in range(script.STEPS):
             outputs = [q.dequeue(timeout=120) for q in queues]
@@ -69,7 +71,7 @@ def test_workers_through_the_shm_message_queue():
                     .payloads[0]
                 )
                 assert isinstance(batch, EventBatch)
-                assert batch.nbytes >= 1024 * 1024 and len(batch) == script.BIG
+                assert batch.nbytes >= OOB_THRESHOLD and len(batch) == script.BIG
             out = aggregator.aggregate(outputs, output_rank=0)
             kv_out = out.kv_connector_output
             assert kv_out.finished_sending == {f"req-{step}"}
@@ -102,11 +104,13 @@ def test_general_plugin_registers_the_connector_in_a_fresh_interpreter():
         import kvmerge.vllm
 
         kvmerge.vllm.register()  # again: idempotent
-        from vllm_harness import build, child, make_config
+        from vllm_harness import child
 
-        cfg = make_config([child("LMCacheChild")], module_path=None)
+        from kvmerge.sim.model import connector_config, create_connector
+
+        cfg = connector_config([child("LMCacheChild")], module_path=None)
         for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-            conn = build(cfg, role)
+            conn = create_connector(cfg, role)
             assert type(conn) is kvmerge.vllm.KVMergeMultiConnector, type(conn)
         cls = KVConnectorFactory.get_connector_class_by_name("KVMergeMultiConnector")
         assert cls is kvmerge.vllm.KVMergeMultiConnector

@@ -15,6 +15,7 @@ What docs/robustness.md promises, each with the test that holds it to it:
 from __future__ import annotations
 
 import pytest
+from bad_inputs import stored
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 import kvmerge
@@ -28,16 +29,7 @@ def rm(h: int) -> BlockRemoved:
 
 
 def st(h: int, group: int | None = None) -> BlockStored:
-    return BlockStored(
-        block_hashes=[h],
-        parent_block_hash=None,
-        token_ids=[1, 2],
-        block_size=16,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-    )
+    return stored(h, group_idx=group)
 
 
 def step(m: Merger, reports: dict[int, list | EventBatch]) -> list:

@@ -9,8 +9,12 @@ upstream connectors' own ``update_connector_output`` / ``take_events``
 functions, so that a child switched to ``"native"`` behaves as upstream. Only
 the transfer engines behind them (LMCache, Mooncake, UMBP) are left out.
 
-``ThirdPartyConnector`` has its own container type (unknown to kvmerge): its
-events take the native path.
+``ThirdPartyConnector`` has its own container type (unknown to kvmerge, the
+benchmark's ``ListKVEvents``): its events take the native path.
+
+The containers are built by ``kvmerge.bench.children``'s functions, and the
+abstract methods of a connector that moves no KV come from
+``kvmerge.sim.children.NoTransfer``.
 """
 
 from __future__ import annotations
@@ -22,20 +26,25 @@ from typing import Any
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
     LMCacheConnectorV1,
-    LMCacheKVEvents,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
     MooncakeStoreConnector,
-    MooncakeStoreKVEvents,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (
     UMBPStoreConnector,
     UMBPStoreKVEvents,
+)
+
+from kvmerge.sim.children import (
+    ListKVEvents,
+    NoTransfer,
+    list_container,
+    lmcache_container,
+    mooncake_container,
 )
 
 
@@ -63,7 +72,7 @@ class Received:
     events: list[KVCacheEvent] = field(default_factory=list)
 
 
-class _Scripted(KVConnectorBase_V1):
+class _Scripted(NoTransfer):
     """Worker side: returns, per step, a container of what the test queued.
 
     ``emit(events)`` queues one step (``None``: the worker-side method returns
@@ -114,39 +123,13 @@ class _Scripted(KVConnectorBase_V1):
             )
         )
 
-    # --- abstract methods nobody calls in these tests -----------------------
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        return None
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 0, False
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
-        return None
-
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
 
 class LMCacheChild(_Scripted):
     """Worker: None when there are no events, else an ``LMCacheKVEvents``
     (``LMCacheConnectorV1.get_kv_connector_kv_cache_events``)."""
 
     def make_container(self, events):
-        if not events:
-            return None
-        container = LMCacheKVEvents(num_workers=1)
-        container.add_events(events)
-        return container
+        return lmcache_container(events)
 
     def update_connector_output(self, connector_output) -> None:
         self._record(connector_output)
@@ -188,11 +171,7 @@ class MooncakeChild(_Scripted):
         return []
 
     def make_container(self, events):
-        container = MooncakeStoreKVEvents(
-            num_workers=1, group_tp_replication_factors=self.factors
-        )
-        container.add_events(events)
-        return container
+        return mooncake_container(events, self.factors)
 
     def update_connector_output(self, connector_output) -> None:
         self._record(connector_output)
@@ -238,33 +217,6 @@ class SilentChild(_Scripted):
         self._record(connector_output)
 
 
-class ThirdPartyKVEvents(KVConnectorKVEvents):
-    """A container kvmerge does not know: keeps every worker's events."""
-
-    def __init__(self, events: Sequence[KVCacheEvent] = ()) -> None:
-        self.events = list(events)
-        self.workers = 1
-
-    def add_events(self, events) -> None:
-        self.events.extend(events)
-
-    def aggregate(self) -> ThirdPartyKVEvents:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self.workers += count
-
-    def get_all_events(self) -> list[KVCacheEvent]:
-        return list(self.events)
-
-    def get_number_of_workers(self) -> int:
-        return self.workers
-
-    def clear_events(self) -> None:
-        self.events.clear()
-        self.workers = 1
-
-
 class ThirdPartyConnector(_Scripted):
     """Its own semantics: publishes an event once at least ``test_min_reports``
     (default 2) reports of it arrived in one step, in first-report order."""
@@ -275,12 +227,12 @@ class ThirdPartyConnector(_Scripted):
         self.pending: list[KVCacheEvent] = []
 
     def make_container(self, events):
-        return ThirdPartyKVEvents(events)
+        return list_container(events)
 
     def update_connector_output(self, connector_output) -> None:
         self._record(connector_output)
         ev = connector_output.kv_cache_events
-        if isinstance(ev, ThirdPartyKVEvents):
+        if isinstance(ev, ListKVEvents):
             counts: dict[KVCacheEvent, int] = {}
             for e in ev.get_all_events():  # dicts keep first-report order
                 counts[e] = counts.get(e, 0) + 1

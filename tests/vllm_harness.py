@@ -1,41 +1,33 @@
 """A small, real vLLM 0.33.0 setting for the plugin tests (no mocks of vLLM).
 
-* configs: ``VllmConfig(device_config=DeviceConfig(device="cpu"))`` with a
-  ``KVTransferConfig`` naming ``KVMergeMultiConnector`` and children from
-  ``vllm_children``;
-* connectors: ``KVConnectorFactory.create_connector`` for the scheduler and for
-  one worker per rank (each worker with its own ``parallel_config.rank``, as
-  vLLM's ``WorkerBase`` sets it);
+* configs: ``kvmerge.sim.model.connector_config`` (``DeviceConfig("cpu")``, a
+  ``KVTransferConfig`` naming ``KVMergeMultiConnector``) with children from
+  ``vllm_children`` (``child``);
+* connectors: ``kvmerge.sim.model.create_connector`` for the scheduler and for
+  one worker per rank (each with its own ``parallel_config.rank``:
+  ``worker_config``, as vLLM's ``WorkerBase`` sets it);
 * a step: each worker builds its ``KVConnectorOutput`` as vLLM's model runner
   does and wraps it in a ``ModelRunnerOutput``; the outputs are pickled as the
-  executor's shm ``MessageQueue`` pickles them (highest protocol, out-of-band
-  buffers of 1 MiB or more) and combined by a real ``KVOutputAggregator``; the
-  scheduler connector gets ``update_connector_output`` then ``take_events``,
-  and the events are published by a real ``ZmqEventPublisher`` on an ipc://
-  endpoint and read back with a zmq SUB socket and msgspec.
+  executor's shm ``MessageQueue`` pickles them
+  (``kvmerge.sim.transport.shm_roundtrip``) and combined by a real
+  ``KVOutputAggregator``; the scheduler connector gets
+  ``update_connector_output`` then ``take_events``, and the events are
+  published by a real ``ZmqEventPublisher`` on an ipc:// endpoint and read
+  back with a zmq SUB socket and msgspec;
+* worker processes: ``init_tp_group`` joins a real TP group (gloo on CPU).
 """
 
 from __future__ import annotations
 
-import copy
 import os
-import pickle
 import shutil
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from pickle import PickleBuffer
 from typing import Any
 
 import msgspec
 import zmq
-from vllm.config import (
-    DeviceConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ParallelConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -43,14 +35,19 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
     ZmqEventPublisher,
 )
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+from kvmerge.sim.model import (
+    child_entry,
+    connector_config,
+    create_connector,
+    worker_config,
+)
+from kvmerge.sim.transport import shm_roundtrip
+
 CHILDREN_MODULE = "vllm_children"
-OOB_THRESHOLD = 1024 * 1024  # MessageQueue.enqueue: in-line below 1 MiB
 
 
 # --- events ------------------------------------------------------------------
@@ -85,73 +82,26 @@ def cleared() -> AllBlocksCleared:
 # --- configs and connectors --------------------------------------------------
 def child(name: str, **extra: Any) -> dict[str, Any]:
     """A child entry of ``connectors`` for a ``vllm_children`` class."""
-    return {
-        "kv_connector": name,
-        "kv_role": "kv_both",
-        "kv_connector_module_path": CHILDREN_MODULE,
-        "kv_connector_extra_config": extra,
-    }
+    return child_entry(name, CHILDREN_MODULE, extra)
 
 
-def make_config(
-    children: Sequence[Mapping[str, Any]],
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    module_path: str | None = "kvmerge.vllm",
-    kv_events: bool = True,
-    **extra: Any,
-) -> VllmConfig:
-    ktc = KVTransferConfig(
-        kv_connector="KVMergeMultiConnector",
-        kv_role="kv_both",
-        kv_connector_module_path=module_path,
-        kv_connector_extra_config={"connectors": [dict(c) for c in children], **extra},
-    )
-    return VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=tp, pipeline_parallel_size=pp
-        ),
-        kv_transfer_config=ktc,
-        # The tests publish through their own ZmqEventPublisher (Bus).
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events),
-    )
+def init_tp_group(cfg: Any, rank: int, port: int) -> None:
+    """Join a real TP group of ``cfg``'s size (gloo on CPU, rendezvous on
+    ``port``), as a vLLM worker does: a connector built after it takes its rank
+    from the parallel state."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
 
-
-def kv_cache_config() -> KVCacheConfig:
-    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[])
-
-
-def worker_config(cfg: VllmConfig, rank: int) -> VllmConfig:
-    """The config a worker process holds: its own ``parallel_config.rank``."""
-    wcfg = copy.copy(cfg)
-    wcfg.parallel_config = copy.copy(cfg.parallel_config)
-    wcfg.parallel_config.rank = rank
-    return wcfg
-
-
-def build(cfg: VllmConfig, role: KVConnectorRole) -> Any:
-    return KVConnectorFactory.create_connector(cfg, role, kv_cache_config())
-
-
-# --- transport ---------------------------------------------------------------
-def shm_roundtrip(obj: Any) -> tuple[Any, int]:
-    """Pickle as ``MessageQueue.enqueue`` does, unpickle as ``dequeue`` does.
-
-    Returns the copy and the number of buffers that went out of band.
-    """
-    oob: list[Any] = []
-
-    def callback(buf: PickleBuffer) -> bool:
-        raw = buf.raw()
-        if len(raw) < OOB_THRESHOLD:
-            return True
-        oob.append(bytearray(raw))  # dequeue copies each one into a bytearray
-        return False
-
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
-    return pickle.loads(data, buffers=oob), len(oob)
+    tp = cfg.parallel_config.tensor_parallel_size
+    with set_current_vllm_config(cfg):
+        ps.init_distributed_environment(
+            world_size=tp,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        ps.initialize_model_parallel(tp, 1, backend="gloo")
 
 
 def worker_output(connector: Any, **fields: Any) -> ModelRunnerOutput:
@@ -230,11 +180,14 @@ class Cluster:
         kv_events: bool = True,
         **extra: Any,
     ) -> None:
-        self.cfg = make_config(children, tp=tp, pp=pp, kv_events=kv_events, **extra)
+        # The tests publish through their own ZmqEventPublisher (Bus).
+        self.cfg = connector_config(
+            children, tp=tp, pp=pp, kv_events=kv_events, **extra
+        )
         self.world_size = self.cfg.parallel_config.world_size
-        self.scheduler = build(self.cfg, KVConnectorRole.SCHEDULER)
+        self.scheduler = create_connector(self.cfg, KVConnectorRole.SCHEDULER)
         self.workers = [
-            build(worker_config(self.cfg, r), KVConnectorRole.WORKER)
+            create_connector(worker_config(self.cfg, r), KVConnectorRole.WORKER)
             for r in range(self.world_size)
         ]
         self.aggregator = KVOutputAggregator.from_connector(

@@ -93,29 +93,21 @@ def expected(step: int) -> list[Any]:
 
 
 def main(rank: int, port: int, pipe: Any) -> None:
-    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm_harness import build, make_config, worker_output
+    from vllm_harness import init_tp_group, worker_output
 
+    from kvmerge.sim.model import connector_config, create_connector
     from kvmerge.vllm import register
 
     register()
-    cfg = make_config(children(), tp=TP)
+    cfg = connector_config(children(), tp=TP)
     # A real TP group (gloo on CPU), as a vLLM worker has. parallel_config.rank
     # is left at 0 in both workers: the connector must take its rank from the
     # parallel state (the scheduler rejects a rank reported twice).
-    with set_current_vllm_config(cfg):
-        ps.init_distributed_environment(
-            world_size=TP,
-            rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            local_rank=rank,
-            backend="gloo",
-        )
-        ps.initialize_model_parallel(TP, 1, backend="gloo")
-    connector = build(cfg, KVConnectorRole.WORKER)
+    init_tp_group(cfg, rank, port)
+    connector = create_connector(cfg, KVConnectorRole.WORKER)
     assert cfg.parallel_config.rank == 0
     assert connector.worker_rank == rank
     mq = MessageQueue(1, 1)

@@ -8,7 +8,9 @@ them (``LMCacheConnectorV1`` and ``MooncakeStoreConnector``: create the
 container, ``add_events``); their scheduler sides run the upstream
 connectors' own ``update_connector_output`` and ``take_events``. Only the
 stores behind them are left out: a worker's events for a step are handed in
-with ``feed`` before the step.
+with ``feed`` before the step. What moves no KV comes from the simulation
+harness (``kvmerge.sim.children``: ``NoTransfer``, the store-scheduler
+stand-in); the containers are built here, for the plugin tests' children too.
 
 ``ListChild`` stands for a third-party connector whose container is a plain
 list. vLLM 0.33.0's ``AllBlocksCleared`` is not hashable, so the Counter-based
@@ -27,11 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
-from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-)
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
     LMCacheConnectorV1,
     LMCacheKVEvents,
@@ -39,6 +37,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
     MooncakeStoreConnector,
     MooncakeStoreKVEvents,
+)
+
+from kvmerge.sim.children import (
+    ListKVEvents,
+    NoTransfer,
+    StoreScheduler,
+    list_container,
+    lmcache_container,
+    mooncake_container,
 )
 
 MODULE = __name__
@@ -53,7 +60,7 @@ KINDS: dict[str, tuple[str, str]] = {
 MOONCAKE_FACTORS = (1,)
 
 
-class _Fed(KVConnectorBase_V1):
+class _Fed(NoTransfer):
     """Worker side: returns a container of the events ``feed`` handed in."""
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
@@ -69,47 +76,6 @@ class _Fed(KVConnectorBase_V1):
         events, self._next = self._next, []
         return events
 
-    # --- abstract methods the benchmark does not call ----------------------
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        return None
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 0, False
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
-        return None
-
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-
-def lmcache_container(events: list[KVCacheEvent]) -> LMCacheKVEvents | None:
-    """``LMCacheConnectorV1.get_kv_connector_kv_cache_events``, from events."""
-    if not events:
-        return None
-    container = LMCacheKVEvents(num_workers=1)
-    container.add_events(events)
-    return container
-
-
-def mooncake_container(events: list[KVCacheEvent]) -> MooncakeStoreKVEvents:
-    """``MooncakeStoreConnector.get_kv_connector_kv_cache_events``: always a
-    container, empty or not (it counts the worker)."""
-    container = MooncakeStoreKVEvents(
-        num_workers=1, group_tp_replication_factors=MOONCAKE_FACTORS
-    )
-    container.add_events(events)
-    return container
-
 
 class BenchLMCacheConnector(_Fed):
     def get_kv_connector_kv_cache_events(self) -> LMCacheKVEvents | None:
@@ -122,57 +88,19 @@ class BenchLMCacheConnector(_Fed):
         return LMCacheConnectorV1.take_events(self)  # type: ignore[arg-type]
 
 
-class _NoStoreScheduler:
-    """The Mooncake scheduler half, without a store: nothing to update."""
-
-    def update_connector_output(self, connector_output) -> None:
-        return None
-
-
 class BenchMooncakeConnector(_Fed):
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.connector_scheduler = _NoStoreScheduler()
+        self.connector_scheduler = StoreScheduler()
 
     def get_kv_connector_kv_cache_events(self) -> MooncakeStoreKVEvents:
-        return mooncake_container(self._take_fed())
+        return mooncake_container(self._take_fed(), MOONCAKE_FACTORS)
 
     def update_connector_output(self, connector_output) -> None:
         MooncakeStoreConnector.update_connector_output(self, connector_output)  # type: ignore[arg-type]
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return MooncakeStoreConnector.take_events(self)  # type: ignore[arg-type]
-
-
-class ListKVEvents(KVConnectorKVEvents):
-    """A third-party container: every worker's events, in order."""
-
-    def __init__(self, events: Sequence[KVCacheEvent] = ()) -> None:
-        self.events = list(events)
-        self.workers = 1
-
-    def add_events(self, events) -> None:
-        self.events.extend(events)
-
-    def aggregate(self) -> ListKVEvents:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self.workers += count
-
-    def get_all_events(self) -> list[KVCacheEvent]:
-        return list(self.events)
-
-    def get_number_of_workers(self) -> int:
-        return self.workers
-
-    def clear_events(self) -> None:
-        self.events.clear()
-        self.workers = 1
-
-
-def list_container(events: list[KVCacheEvent]) -> ListKVEvents:
-    return ListKVEvents(events)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -14,34 +14,35 @@ one ``ModelRunnerOutput`` holding its ``KVMergeKVEvents``, the same pickling,
 one ``KVOutputAggregator``, and the connector's ``update_connector_output`` and
 ``take_events``.
 
-Both paths share ``transport`` (the shm ``MessageQueue``'s pickling) and are
-timed by the caller around the same calls: ``worker(rank)`` (the rank's
-worker-side event call plus pickling) and ``scheduler(wires)`` (unpickling,
-aggregation, ``update_connector_output``, ``take_events`` drained to a list).
+Both paths share the simulation harness's configs and connectors
+(``kvmerge.sim.model``) and ``transport`` (the shm ``MessageQueue``'s
+pickling), and are timed by the caller around the same calls:
+``worker(rank)`` (the rank's worker-side event call plus pickling) and
+``scheduler(wires)`` (unpickling, aggregation, ``update_connector_output``,
+``take_events`` drained to a list).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
-from vllm.config import (
-    DeviceConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ParallelConfig,
-    VllmConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+from kvmerge.sim.model import (
+    CONNECTOR,
+    MODULE_PATH,
+    child_entry,
+    connector_config,
+    create_connector,
+    worker_config,
+)
 from kvmerge.sim.transport import Wire, dequeue, enqueue
 
 from . import children as bench_children
@@ -52,18 +53,14 @@ WORKER = KVConnectorRole.WORKER
 MAX_PENDING_STEPS = 32
 
 
-def child_entry(kind: str) -> dict[str, Any]:
+def bench_entry(kind: str) -> dict[str, Any]:
+    """The ``connectors`` entry of the benchmark's child of ``kind``."""
     cls_name, rule = bench_children.KINDS[kind]
     extra: dict[str, Any] = {}
     if kind == "list":
         # An unknown container: kvmerge merges it only when told a rule.
         extra["kv_events_merge"] = rule
-    return {
-        "kv_connector": cls_name,
-        "kv_role": "kv_both",
-        "kv_connector_module_path": bench_children.MODULE,
-        "kv_connector_extra_config": extra,
-    }
+    return child_entry(cls_name, bench_children.MODULE, extra)
 
 
 @contextlib.contextmanager
@@ -80,45 +77,29 @@ def _quiet() -> Iterator[None]:
 
 
 @lru_cache(maxsize=32)
-def make_config(
+def path_config(
     connector: str, world_size: int, kinds: tuple[str, ...], output: str = "raw"
 ) -> VllmConfig:
-    extra: dict[str, Any] = {"connectors": [child_entry(k) for k in kinds]}
+    """The config of a path: ``connector`` (vLLM's ``MultiConnector`` by its
+    name, or kvmerge's) over the children of ``kinds``, TP ``world_size``."""
     module_path = None
-    if connector == "KVMergeMultiConnector":
-        module_path = "kvmerge.vllm"
-        extra["max_pending_steps"] = MAX_PENDING_STEPS
-        extra["kv_events_output"] = output
-    ktc = KVTransferConfig(
-        kv_connector=connector,
-        kv_role="kv_both",
-        kv_connector_module_path=module_path,
-        kv_connector_extra_config=extra,
-    )
+    extra: dict[str, Any] = {}
+    if connector == CONNECTOR:
+        module_path = MODULE_PATH
+        extra = {"max_pending_steps": MAX_PENDING_STEPS, "kv_events_output": output}
     with _quiet():
-        return VllmConfig(
-            device_config=DeviceConfig(device="cpu"),
-            parallel_config=ParallelConfig(tensor_parallel_size=world_size),
-            kv_transfer_config=ktc,
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
+        return connector_config(
+            [bench_entry(k) for k in kinds],
+            tp=world_size,
+            connector=connector,
+            module_path=module_path,
+            **extra,
         )
 
 
-def _worker_config(cfg: VllmConfig, rank: int) -> VllmConfig:
-    """The config a worker process holds: its own ``parallel_config.rank``
-    (what vLLM's ``WorkerBase`` sets)."""
-    wcfg = copy.copy(cfg)
-    wcfg.parallel_config = copy.copy(cfg.parallel_config)
-    wcfg.parallel_config.rank = rank
-    return wcfg
-
-
 def _build(cfg: VllmConfig, role: KVConnectorRole) -> Any:
-    kv_cache_config = KVCacheConfig(
-        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[]
-    )
     with _quiet():
-        return KVConnectorFactory.create_connector(cfg, role, kv_cache_config)
+        return create_connector(cfg, role)
 
 
 def _wrap(container: Any) -> ModelRunnerOutput:
@@ -163,11 +144,11 @@ class PathA(Path):
 
     def __init__(self, world_size: int, kinds: Sequence[str]) -> None:
         super().__init__(world_size, kinds)
-        cfg = make_config("MultiConnector", world_size, self.kinds)
+        cfg = path_config("MultiConnector", world_size, self.kinds)
         self.multi = _build(cfg, SCHEDULER)
         self.children = self.multi.sub_connectors
         self.workers = [
-            _build(_worker_config(cfg, r), WORKER) for r in range(world_size)
+            _build(worker_config(cfg, r), WORKER) for r in range(world_size)
         ]
         self._worker_children = [w.sub_connectors for w in self.workers]
         self.aggregators = [
@@ -208,10 +189,10 @@ class PathB(Path):
         self, world_size: int, kinds: Sequence[str], output: str = "raw"
     ) -> None:
         super().__init__(world_size, kinds)
-        cfg = make_config("KVMergeMultiConnector", world_size, self.kinds, output)
+        cfg = path_config(CONNECTOR, world_size, self.kinds, output)
         self.connector = _build(cfg, SCHEDULER)
         self.workers = [
-            _build(_worker_config(cfg, r), WORKER) for r in range(world_size)
+            _build(worker_config(cfg, r), WORKER) for r in range(world_size)
         ]
         self.aggregator = KVOutputAggregator.from_connector(self.connector, world_size)
         self._published = [0] * len(self.kinds)

@@ -1,11 +1,13 @@
-"""``kvmerge demo``: the whole pipeline, live, through vLLM's own machinery.
+"""``kvmerge demo``: kvmerge inside vLLM's own scheduler loop, live, on a CPU.
 
-Worker processes (one per TP rank) run ``KVMergeMultiConnector``'s worker side
-over the demo child connectors (``kvmerge.demo.connectors``), and send their
-step outputs through vLLM's shm ``MessageQueue``; this process runs vLLM's
-``KVOutputAggregator``, the connector's scheduler side and a real
-``ZmqEventPublisher`` on an ipc:// endpoint, and a subscriber reads the stream
-back and checks it. See ``kvmerge demo --help``.
+vLLM's real ``Scheduler`` serves a stream of requests with shared prefixes
+(prefix caching and KV events on); worker processes (one per TP rank) get
+each step through vLLM's shm ``MessageQueue``, run ``KVMergeMultiConnector``'s
+worker side over simulated offloading children (``kvmerge.sim.children``),
+sample tokens and send their outputs back; the scheduler publishes on its own
+``ZmqEventPublisher``; a subscriber (and with ``--router dynamo``, NVIDIA
+Dynamo's KV indexer) reads the stream back and it is checked against the
+reference model of the merge rules. See ``kvmerge demo --help``.
 
 This module only declares the options: vLLM is imported by ``run``.
 """
@@ -16,7 +18,7 @@ import argparse
 import os
 from collections.abc import Callable
 
-from .workload import KINDS
+from kvmerge.sim import FAMILIES
 
 
 def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -33,22 +35,27 @@ def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value <= 60:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 60: {text!r}")
-    return value
+def _float_in(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(
+                f"must be between {lo:g} and {hi:g}: {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def _connectors(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip().lower() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in KINDS]
+    unknown = [k for k in kinds if k not in FAMILIES]
     if unknown or not kinds:
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of {', '.join(KINDS)}: {text!r}"
+            f"expected a comma-separated list of {', '.join(FAMILIES)}: {text!r}"
         )
     if len(set(kinds)) != len(kinds):
         raise argparse.ArgumentTypeError(f"a connector is listed twice: {text!r}")
@@ -68,15 +75,17 @@ def _ipc_endpoint(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Run kvmerge end to end: worker processes (one per TP rank) run "
-        "KVMergeMultiConnector's worker side over demo child connectors that "
-        "report KV events (stores with parent chains, evictions, a rank that is "
-        "sometimes a step late, retries, lost reports, prefix-cache resets); "
-        "their outputs travel through vLLM's shm MessageQueue; this process "
-        "runs vLLM's KVOutputAggregator, the connector's scheduler side and a "
-        "ZmqEventPublisher, and a subscriber reads the published stream back "
-        "and checks it (sequence gaps, parents stored before children, no "
-        "event published more often than every rank reported it)."
+        "Run kvmerge inside vLLM's own scheduler loop, on this CPU: vLLM's "
+        "Scheduler (prefix caching, KV events on) serves requests with shared "
+        "prefixes; worker processes (one per TP rank) get each step through "
+        "vLLM's shm MessageQueue and run KVMergeMultiConnector's worker side "
+        "over simulated offloading children (LRU tiers that store what the "
+        "scheduler computed; a rank sometimes late, retrying or losing an "
+        "eviction report); the scheduler publishes on its ZmqEventPublisher, "
+        "and the stream read back is checked: no gaps, parents before "
+        "children, and exactly what the reference model of the merge rules "
+        "publishes. With --router dynamo, NVIDIA Dynamo's KV indexer follows "
+        "the stream and its lookups are checked too."
     )
     parser.epilog = (
         "exit status: 0 every check passed, 1 a check failed or a worker "
@@ -99,28 +108,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rate",
-        type=_int_in(0, 10_000),
-        default=12,
+        type=_float_in(0, 64),
+        default=1.0,
+        metavar="R",
+        help="requests arriving per step, on average (Poisson; default 1)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=_int_in(16, 100_000),
+        default=64,
         metavar="N",
-        help="average number of actions (stores, evictions, re-stores) each "
-        "demo connector's store makes per step; every rank reports them "
-        "(default 12)",
+        help="GPU KV cache blocks of 16 tokens: small, so that blocks are "
+        "evicted and requests preempted (default 64)",
     )
     parser.add_argument(
         "--seed",
         type=_int_in(0),
         default=0,
         metavar="N",
-        help="workload seed: the same seed gives the same events (default 0)",
+        help="seed of the requests, the resets and the ranks' faults: the same "
+        "seed gives the same stream (default 0)",
     )
     parser.add_argument(
         "--connectors",
         type=_connectors,
-        default=KINDS,
+        default=FAMILIES,
         metavar="LIST",
-        help="demo child connectors, in order: any of lmcache (rule all), "
-        "mooncake (rule quorum, two KV cache groups), umbp (rule any) "
-        f"(default {','.join(KINDS)})",
+        help="simulated child connectors, in order: any of lmcache (rule all, "
+        "medium CPU), mooncake (rule quorum, group 0 replicated on 2 ranks, "
+        f"medium STORAGE), umbp (rule any, medium EXTERNAL) "
+        f"(default {','.join(FAMILIES)})",
     )
     parser.add_argument(
         "--clear-every",
@@ -140,19 +157,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=_seconds,
+        type=_float_in(0, 60),
         default=0.01,
         metavar="SECONDS",
         help="shortest time per engine step, to watch it run; 0: as fast as "
         "possible (default 0.01)",
     )
     parser.add_argument(
+        "--router",
+        choices=("auto", "none", "dynamo"),
+        default="auto",
+        help="dynamo: NVIDIA Dynamo's KV indexer (ai-dynamo-runtime) subscribes "
+        "to the stream; its counters and lookups of random stored prefixes are "
+        "checked against what the rules imply; auto: dynamo when "
+        "--dynamo-python names an interpreter (default auto)",
+    )
+    parser.add_argument(
+        "--dynamo-python",
+        default=os.environ.get("KVMERGE_DYNAMO_PYTHON"),
+        metavar="PATH",
+        help="the interpreter of a venv with ai-dynamo-runtime 1.6.1, for "
+        "--router dynamo (default $KVMERGE_DYNAMO_PYTHON; .ci/setup-dynamo.sh "
+        "makes one)",
+    )
+    parser.add_argument(
+        "--lookups",
+        type=_int_in(1, 10_000),
+        default=100,
+        metavar="N",
+        help="with --router: lookups every 100 steps and at the end (default 100)",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
-        help="afterwards, run the same workload through vLLM's own path (each "
-        "child alone: its container through KVOutputAggregator, its own "
-        "update_connector_output/take_events) next to kvmerge's, in this "
-        "process, and compare what they publish and the scheduler's time",
+        help="afterwards, run the same requests and children through vLLM's own "
+        "path (each child's container merged by its own connector's rule) and "
+        "compare what they publish (and, with --router, the lookups)",
     )
     parser.add_argument(
         "--endpoint",
@@ -191,8 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verbose",
         action="store_true",
-        help="also show vLLM's and torch's log messages, the worker processes' "
-        "pids and the shared-memory segments",
+        help="also show vLLM's and torch's log messages",
     )
 
 

@@ -40,7 +40,6 @@ class Snapshot:
     gaps: int = 0
     replayed: int = 0
     missing: int = 0
-    orphans: int = 0
     resets: int = 0
 
 
@@ -96,8 +95,7 @@ def lane_cells(lane: LaneRow) -> list[str]:
 def stream_text(s: Snapshot) -> str:
     return (
         f"read back {s.batches:,} batches, {s.events:,} events; "
-        f"gaps {s.gaps}, replayed {s.replayed}, missing {s.missing}, "
-        f"orphans {s.orphans}"
+        f"gaps {s.gaps}, replayed {s.replayed}, missing {s.missing}"
     )
 
 
@@ -138,7 +136,7 @@ class PlainDisplay:
             totals.expired += lane.expired
         body = (
             f"events in {totals.reports:,}, out {totals.published:,}, pending "
-            f"{totals.pending:,}, expired {totals.expired:,}; merge p50 "
+            f"{totals.pending:,}, expired {totals.expired:,}; step p50 "
             f"{fmt_ms(s.p50_ms)}, p99 {fmt_ms(s.p99_ms)}; subscriber "
             f"{s.batches:,} batches, {s.events:,} events"
         )
@@ -206,7 +204,7 @@ class RichDisplay:
         for lane in s.lanes:
             table.add_row(*lane_cells(lane))
         footer = (
-            f"merge time per step: p50 {fmt_ms(s.p50_ms)}, p99 {fmt_ms(s.p99_ms)}"
+            f"engine step: p50 {fmt_ms(s.p50_ms)}, p99 {fmt_ms(s.p99_ms)}"
             f"   prefix-cache resets: {s.resets}\n"
             f"subscriber: {stream_text(s)}"
         )

@@ -16,3 +16,9 @@ One harness for ``kvmerge demo``, the tests and the benchmarks:
 
 Importing this package imports no vLLM; its modules do.
 """
+
+from typing import Final
+
+#: The simulated connector families (``kvmerge.sim.children.FAMILY``), in
+#: their default order.
+FAMILIES: Final = ("lmcache", "mooncake", "umbp")

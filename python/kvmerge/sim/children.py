@@ -34,7 +34,7 @@ Their scheduler sides also carry the upstream connectors' own
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -65,6 +65,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from kvmerge.vllm.rules import MERGE_KEY
+
+from . import FAMILIES
+from .model import child_entry
 from .tier import Block, Chain, Change, Faults, Reporter, Stored, Tier
 
 MODULE: Final = __name__
@@ -72,6 +76,61 @@ MODULE: Final = __name__
 MEDIUM_EXTERNAL: Final = "EXTERNAL"
 #: The key of a child's settings in its ``kv_connector_extra_config``.
 EXTRA_KEY: Final = "kvmerge_sim"
+
+
+def lmcache_container(events: list[KVCacheEvent]) -> LMCacheKVEvents | None:
+    """``LMCacheConnectorV1.get_kv_connector_kv_cache_events``, from events:
+    None when there are none."""
+    if not events:
+        return None
+    container = LMCacheKVEvents(num_workers=1)
+    container.add_events(events)
+    return container
+
+
+def mooncake_container(
+    events: list[KVCacheEvent], factors: tuple[int, ...] = (1,)
+) -> MooncakeStoreKVEvents:
+    """``MooncakeStoreConnector.get_kv_connector_kv_cache_events``: always a
+    container, empty or not (it counts the worker), with the group TP
+    replication ``factors``."""
+    container = MooncakeStoreKVEvents(
+        num_workers=1, group_tp_replication_factors=factors
+    )
+    container.add_events(events)
+    return container
+
+
+class ListKVEvents(KVConnectorKVEvents):
+    """A third-party container: every worker's events, in order."""
+
+    def __init__(self, events: Sequence[KVCacheEvent] = ()) -> None:
+        self.events = list(events)
+        self.workers = 1
+
+    def add_events(self, events: Iterable[KVCacheEvent]) -> None:
+        self.events.extend(events)
+
+    def aggregate(self) -> ListKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self.events)
+
+    def get_number_of_workers(self) -> int:
+        return self.workers
+
+    def clear_events(self) -> None:
+        self.events.clear()
+        self.workers = 1
+
+
+def list_container(events: list[KVCacheEvent]) -> ListKVEvents:
+    """A worker's ``ListKVEvents`` of events."""
+    return ListKVEvents(events)
 
 
 class NoTransfer(KVConnectorBase_V1):
@@ -140,7 +199,7 @@ class Lane:
         )
 
 
-class _StoreScheduler:
+class StoreScheduler:
     """The store-side scheduler object upstream Mooncake/UMBP methods call
     (``connector_scheduler``): no store behind it, no events of its own."""
 
@@ -190,7 +249,7 @@ class SimChild(NoTransfer):
         self._changes: list[Change] = []
         # What the upstream scheduler-side methods use.
         self._kv_cache_events: Any = None
-        self.connector_scheduler = _StoreScheduler()
+        self.connector_scheduler = StoreScheduler()
 
     # --- scheduler side ------------------------------------------------------
     def update_state_after_alloc(
@@ -275,11 +334,7 @@ class SimLMCache(SimChild):
     def make_container(
         cls, world_size: int, events: list[KVCacheEvent]
     ) -> LMCacheKVEvents | None:
-        if not events:
-            return None
-        container = LMCacheKVEvents(num_workers=1)
-        container.add_events(events)
-        return container
+        return lmcache_container(events)
 
     def update_connector_output(self, connector_output: Any) -> None:
         LMCacheConnectorV1.update_connector_output(self, connector_output)  # type: ignore[arg-type]
@@ -317,11 +372,7 @@ class SimMooncake(SimChild):
     def make_container(
         cls, world_size: int, events: list[KVCacheEvent]
     ) -> MooncakeStoreKVEvents:
-        container = MooncakeStoreKVEvents(
-            num_workers=1, group_tp_replication_factors=mooncake_factors(world_size)
-        )
-        container.add_events(events)
-        return container
+        return mooncake_container(events, mooncake_factors(world_size))
 
     def update_connector_output(self, connector_output: Any) -> None:
         MooncakeStoreConnector.update_connector_output(self, connector_output)  # type: ignore[arg-type]
@@ -387,7 +438,7 @@ def events(
 
 
 @dataclass(frozen=True)
-class Kind:
+class Family:
     """A simulated family: its child class, the rule kvmerge applies to its
     container, the faults its ranks show, and its tier's default capacity
     (blocks: the families differ in size, so their tiers differ in content)."""
@@ -399,16 +450,17 @@ class Kind:
 
 
 _ALL_FAULTS: Final = {"late": True, "lost": True, "repeat": True}
-KINDS: Final = {
-    "lmcache": Kind(SimLMCache, "all", _ALL_FAULTS, 96),
-    "mooncake": Kind(SimMooncake, "quorum", _ALL_FAULTS, 192),
-    # A store shared by the ranks: they report the same events.
-    "umbp": Kind(SimUMBP, "any", {"repeat": True}, 32),
+FAMILY: Final = {
+    "lmcache": Family(SimLMCache, "all", _ALL_FAULTS, 96),
+    "mooncake": Family(SimMooncake, "quorum", _ALL_FAULTS, 192),
+    # A pool shared by the ranks: they report the same events.
+    "umbp": Family(SimUMBP, "any", {"repeat": True}, 32),
 }
+assert tuple(FAMILY) == FAMILIES
 
 
 def entry(
-    kind: str,
+    family: str,
     lane: int,
     *,
     capacity: int | None = None,
@@ -416,16 +468,11 @@ def entry(
     faults: bool = True,
     rule: str | None = None,
 ) -> dict[str, Any]:
-    """A ``connectors`` entry for the simulated child of ``kind``; ``rule``
+    """A ``connectors`` entry for the simulated child of ``family``; ``rule``
     overrides kvmerge's (``"native"``: vLLM's own path)."""
-    k = KINDS[kind]
+    k = FAMILY[family]
     f = Faults(seed=seed, **(k.faults if faults else {}))
     extra = Lane(lane, capacity or k.capacity, f).to_extra()
     if rule is not None:
-        extra["kv_events_merge"] = rule
-    return {
-        "kv_connector": k.cls.__name__,
-        "kv_role": "kv_both",
-        "kv_connector_module_path": MODULE,
-        "kv_connector_extra_config": extra,
-    }
+        extra[MERGE_KEY] = rule
+    return child_entry(k.cls.__name__, MODULE, extra)

@@ -178,6 +178,21 @@ class Engine:
                 raise WorkerFailed(f"worker {rank} sent no output ({state})") from None
         return outputs
 
+    def describe(self) -> list[str]:
+        """The worker processes and the queues' shared memory, one per line."""
+        lines = [
+            f"worker {rank}: pid {proc.pid}, response queue shm "
+            f"{q.buffer.shared_memory.name}"
+            for rank, (proc, q) in enumerate(
+                zip(self._procs, self._responses, strict=True)
+            )
+        ]
+        if self._broadcast is not None:
+            lines.append(
+                f"broadcast queue shm {self._broadcast.buffer.shared_memory.name}"
+            )
+        return lines
+
     # --- the loop ----------------------------------------------------------------
     def add(self, prompts: Iterable[Prompt]) -> None:
         from vllm import SamplingParams

@@ -22,9 +22,10 @@ from typing import Any
 import msgspec
 
 from kvmerge.testing.reference import ReferenceMerger
+from kvmerge.vllm.rules import DEFAULT_MAX_PENDING_STEPS, MAX_PENDING_KEY, MERGE_KEY
 
 from . import children
-from .children import EXTRA_KEY, KINDS, Lane, SaveMeta, SimChild, mooncake_factors
+from .children import EXTRA_KEY, FAMILY, Lane, SaveMeta, SimChild, mooncake_factors
 from .tier import Hash, Reporter, Tier
 
 
@@ -40,10 +41,10 @@ def _rule(entry: Mapping[str, Any], cls: type[SimChild]) -> str:
     """kvmerge's rule for the child: its override, or its container's (also
     for a child set to vLLM's own path: what kvmerge would publish)."""
     extra = entry.get("kv_connector_extra_config") or {}
-    override = extra.get("kv_events_merge")
+    override = extra.get(MERGE_KEY)
     if override is not None and override != "native":
         return str(override)
-    return next(k.rule for k in KINDS.values() if k.cls is cls)
+    return next(f.rule for f in FAMILY.values() if f.cls is cls)
 
 
 class Expected:
@@ -54,7 +55,7 @@ class Expected:
         extra = ktc.kv_connector_extra_config
         self.world_size = int(config.parallel_config.world_size)
         self.block_size = int(config.cache_config.block_size)
-        max_pending = int(extra.get("max_pending_steps", 32))
+        max_pending = int(extra.get(MAX_PENDING_KEY, DEFAULT_MAX_PENDING_STEPS))
         self.lanes: list[_Lane | None] = []
         for entry in extra["connectors"]:
             cls = getattr(children, entry["kv_connector"], None)

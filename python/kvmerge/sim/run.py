@@ -20,11 +20,13 @@ from typing import Any, Final
 
 import msgspec
 
+from kvmerge.vllm.rules import DEFAULT_MAX_PENDING_STEPS, MAX_PENDING_KEY
+
+from . import FAMILIES
 from .expect import Expected, ParentCheck, same_events
 from .requests import Arrivals
 from .routing import Lookups, RouterCheck, RouterModel
 
-KINDS: Final = ("lmcache", "mooncake", "umbp")
 #: The GPU block pool's medium (vLLM's ``MEDIUM_GPU``).
 GPU: Final = "GPU"
 
@@ -35,9 +37,9 @@ class Options:
     steps: int = 500
     rate: float = 1.0
     seed: int = 0
-    kinds: tuple[str, ...] = KINDS
+    families: tuple[str, ...] = FAMILIES
     clear_every: int = 150
-    max_pending_steps: int = 32
+    max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS
     #: GPU KV cache blocks: small, so that blocks are evicted and requests
     #: preempted.
     num_blocks: int = 64
@@ -154,8 +156,9 @@ class Result:
                     lk.wrong == 0 and lk.asked > 0,
                     "lookups",
                     f"{lk.asked - lk.wrong:,} of {lk.asked:,} lookups of stored "
-                    "prefixes return the overlap the rules imply (GPU, +CPU, "
-                    "+STORAGE)" + "".join(f"; {x}" for x in lk.examples),
+                    "prefixes return the overlap the rules imply (the indexer's "
+                    "gpu, cpu and disk columns)"
+                    + "".join(f"; {x}" for x in lk.examples),
                 )
             )
         return out
@@ -210,16 +213,16 @@ class Run:
 
         o = self.opts
         if self.model is None:
-            self.model = model_dir(self._tmpdir)
+            self.model = model_dir(self._tmpdir, o.workers)
         return engine_config(
             self.model,
             [
                 entry(k, i, capacity=o.capacity, seed=o.seed, rule=o.rule)
-                for i, k in enumerate(o.kinds)
+                for i, k in enumerate(o.families)
             ],
             world_size=o.workers,
             num_blocks=o.num_blocks,
-            connector_extra={"max_pending_steps": o.max_pending_steps},
+            connector_extra={MAX_PENDING_KEY: o.max_pending_steps},
             kv_events=KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",
@@ -330,7 +333,7 @@ class Run:
             expected=self.expected_events,
             reader_stats=self.reader.stats if self.reader else None,
             merge_stats=merge_stats,
-            reports=[self.expected.reports[i] for i in range(len(self.opts.kinds))],
+            reports=[self.expected.reports[i] for i in range(len(self.opts.families))],
             step_ns=self.step_ns,
             finished=self.finished,
             preempted=self.preempted,

@@ -55,9 +55,13 @@ class Worker:
         for req_id in so.finished_req_ids:
             self.num_tokens.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            self.num_tokens[new.req_id] = len(new.prompt_token_ids or ())
+            # A request resumed after preemption comes back with its outputs
+            # to prefill again (vLLM 0.34: as a new request).
+            tokens = new.prefill_token_ids or new.prompt_token_ids or ()
+            self.num_tokens[new.req_id] = len(tokens)
         cached = so.scheduled_cached_reqs
-        for req_id in cached.resumed_req_ids:
+        # vLLM 0.33 resumes a preempted request as a cached one.
+        for req_id in getattr(cached, "resumed_req_ids", ()):
             self.num_tokens[req_id] = len(cached.all_token_ids[req_id])
         computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for new in so.scheduled_new_reqs:
@@ -98,18 +102,12 @@ class Worker:
 
 def build_worker(config: Any, rank: int, num_blocks: int) -> Worker:
     """The worker of ``rank``: its own copy of the config, as ``WorkerBase``."""
-    import copy
-
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from .model import kv_cache_config
+    from .model import create_connector, kv_cache_config, worker_config
 
-    wcfg = copy.copy(config)
-    wcfg.parallel_config = copy.copy(config.parallel_config)
-    wcfg.parallel_config.rank = rank
-    connector = KVConnectorFactory.create_connector(
-        wcfg, KVConnectorRole.WORKER, kv_cache_config(num_blocks)
+    connector = create_connector(
+        worker_config(config, rank), KVConnectorRole.WORKER, kv_cache_config(num_blocks)
     )
     return Worker(connector)
 

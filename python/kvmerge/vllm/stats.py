@@ -205,7 +205,7 @@ class KVMergePromMetrics(KVConnectorPromMetrics):
                 self.pending.labels(*labelvalues, label).set(values[PENDING])
 
 
-class WithKVMergePromMetrics(KVConnectorPromMetrics):
+class WithKVMergePromMetrics(KVMergePromMetrics):
     """``MultiConnector``'s metrics for the children's entries, ours for ours."""
 
     def __init__(
@@ -216,23 +216,15 @@ class WithKVMergePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
         children: KVConnectorPromMetrics | None,
     ) -> None:
-        super().__init__(
-            vllm_config,
-            metric_types,  # type: ignore[arg-type]
-            labelnames,
-            per_engine_labelvalues,
-        )
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.children = children
-        self.kvmerge = KVMergePromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         ours = transfer_stats_data.get(KEY)
         if ours is not None:
             if isinstance(ours, KVConnectorStats):
                 ours = ours.to_dict()
-            self.kvmerge.observe(ours, engine_idx)
+            super().observe(ours, engine_idx)
             transfer_stats_data = {
                 k: v for k, v in transfer_stats_data.items() if k != KEY
             }

@@ -1,0 +1,186 @@
+"""kvmerge inside vLLM's real scheduler loop (``kvmerge.sim``).
+
+The parts without vLLM first (the tier, the ranks' faults, the router model),
+then whole runs: vLLM's ``Scheduler`` with ``KVMergeMultiConnector`` over the
+simulated children, workers in processes behind vLLM's shm ``MessageQueue``
+or in this process, the scheduler's own ``ZmqEventPublisher`` read back, and
+NVIDIA Dynamo's indexer following the stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmerge.sim.routing import Match, RouterModel
+from kvmerge.sim.tier import Block, Faults, Removed, Reporter, Stored, Tier
+
+
+def chain(*hashes: int) -> tuple[Block, ...]:
+    return tuple(
+        Block(h, hashes[i - 1] if i else None, (h,) * 4) for i, h in enumerate(hashes)
+    )
+
+
+# --- the tier ------------------------------------------------------------------
+def test_a_tier_stores_parents_first_and_evicts_leaves_first():
+    tier = Tier(4)
+    assert tier.save([chain(1, 2, 3)]) == [Stored(b) for b in chain(1, 2, 3)]
+    # A second chain sharing block 1: only its own blocks are new; over
+    # capacity, the oldest leaf goes (3), never a parent of a held block.
+    changes = tier.save([chain(1, 4, 5)])
+    assert changes == [Stored(chain(1, 4)[1]), Stored(chain(1, 4, 5)[2]), Removed(3)]
+    changes = tier.save([chain(1, 6)])
+    assert changes == [Stored(chain(1, 6)[1]), Removed(2)]
+    for h in (1, 4, 5, 6):
+        assert h in tier
+    tier.clear()
+    assert len(tier) == 0
+
+
+def test_a_tier_never_holds_a_block_without_its_parent():
+    tier = Tier(6)
+    chains = [chain(1, 2, 3, 4), chain(1, 2, 5), chain(1, 6, 7), chain(8, 9)]
+    for i in range(40):
+        tier.save([chains[i % 4], chains[(i * 7) % 4]])
+        parents = {b.hash: b.parent for c in chains for b in c}
+        for h in parents:
+            if h in tier and parents[h] is not None:
+                assert parents[h] in tier, (i, h)
+
+
+# --- the ranks' faults -----------------------------------------------------------
+def test_faults_are_per_rank_deterministic_and_as_described():
+    faults = Faults(seed=3, late=True, lost=True, repeat=True)
+    tier = Tier(8)
+    steps = [tier.save([chain(10 * s + 1, 10 * s + 2, 10 * s + 3)]) for s in range(200)]
+    runs = []
+    for _ in range(2):
+        reporters = [Reporter(faults, 0, r, 4) for r in range(4)]
+        runs.append(
+            [[rep.report(s, ch) for rep in reporters] for s, ch in enumerate(steps)]
+        )
+    assert runs[0] == runs[1]
+    late = lost = repeated = 0
+    for s, per_rank in enumerate(runs[0]):
+        truth = steps[s]
+        for rank, reports in enumerate(per_rank[:3]):
+            # Ranks 0-2 are never late: the truth, give or take one lost
+            # removal or one repeated store.
+            missing = [c for c in truth if c not in reports]
+            assert all(isinstance(c, Removed) for c in missing), (s, rank)
+            lost += len(missing)
+            extra = len(reports) - (len(truth) - len(missing))
+            assert extra in (0, 1)
+            repeated += extra
+        late += per_rank[3] != truth
+    assert late > 10 and lost > 0 and repeated > 10
+    # The last rank loses nothing: over the run it reports every change.
+    flat = [c for per_rank in runs[0] for c in per_rank[3]]
+    assert all(c in flat for ch in steps for c in ch)
+
+
+# --- the router model ------------------------------------------------------------
+def _stored(h, parent, medium="GPU"):
+    from kvmerge.events import BlockStored
+
+    return BlockStored(
+        block_hashes=[h],
+        parent_block_hash=parent,
+        token_ids=[h] * 4,
+        block_size=4,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def _removed(h, medium="GPU"):
+    from kvmerge.events import BlockRemoved
+
+    return BlockRemoved(block_hashes=[h], medium=medium)
+
+
+def test_the_router_model_follows_dynamos_tiers():
+    from kvmerge.events import AllBlocksCleared
+
+    m = RouterModel()
+    m.apply([_stored(1, None), _stored(2, 1), _stored(9, 8)])  # 9: parent unknown
+    m.apply([_stored(3, 2, "CPU"), _stored(4, 3, "STORAGE"), _stored(5, 4, "EXTERNAL")])
+    m.apply([_stored(7, 6, "CPU"), _stored(5, 4, "lowercase")])  # no parent check
+    assert m.match([1, 2, 3, 4, 5]) == Match(gpu=2, cpu=3, disk=5)
+    assert m.match([6, 7]) == Match(gpu=0, cpu=0, disk=0)  # 6 is held nowhere
+    m.apply([_removed(1)])  # drops its descendant 2 too
+    assert m.match([1, 2, 3]) == Match(gpu=0, cpu=0, disk=0)
+    m.apply([_removed(2), _removed(3, "CPU"), _removed(42, "CPU")])
+    assert m.applied == {
+        ("stored", "ok"): 2,
+        ("stored", "parent_block_not_found"): 1,
+        ("removed", "ok"): 1,
+        ("removed", "block_not_found"): 1,
+    }
+    m.apply([_stored(1, None), AllBlocksCleared()])
+    assert m.match([1]) == Match(0, 0, 0) and not m.tiers["disk"]
+    assert m.applied[("cleared", "ok")] == 1
+
+
+# --- whole runs in vLLM's scheduler loop ---------------------------------------------
+@pytest.mark.vllm
+def test_the_stream_is_exactly_what_the_rules_publish():
+    """Worker processes behind vLLM's shm MessageQueue; the stream read back
+    from the scheduler's publisher equals the reference model's merge of every
+    rank's reports, the GPU pool's events beside it; in-process workers give
+    the same stream."""
+    from kvmerge.sim.run import Options, run
+
+    opts = Options(steps=300, rate=1.5, seed=11, clear_every=100, interval=0.0)
+    result = run(opts)
+    checks = {c.name: c for c in result.checks()}
+    assert all(c.ok for c in checks.values()), checks
+    assert set(checks) == {"sequence", "parents", "rules"}
+    assert result.finished > 100 and result.preempted > 0 and result.resets > 0
+    assert {"GPU", "CPU", "STORAGE", "EXTERNAL"} <= set(result.by_medium)
+    assert len(result.expected) > 1000
+    # Every rule had work: reports waited, expired and were cleared.
+    lmcache, mooncake, umbp = result.merge_stats
+    assert lmcache and lmcache["expired"] > 0 and lmcache["cleared"] > 0
+    assert mooncake and mooncake["published"] > 0
+    assert umbp and umbp["pending"] == 0 and umbp["expired"] == 0
+    in_process = run(Options(**{**opts.__dict__, "processes": False}))
+    assert [e for e in in_process.stream] == [e for e in result.stream]
+
+
+@pytest.mark.vllm
+def test_vllms_own_path_is_not_what_the_rules_publish():
+    """The same run through each child's own connector (vLLM's path): the
+    rules check would fail, and stores arrive before their parents. (The check
+    can fail: it is not the stream compared with itself.)"""
+    from kvmerge.sim.expect import same_events
+    from kvmerge.sim.run import Options, run
+
+    result = run(Options(steps=200, seed=11, rule="native", processes=False))
+    assert same_events(result.children_stream, result.expected) is not None
+    assert result.parents.orphans > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.dynamo
+def test_dynamos_indexer_applies_every_store_and_its_lookups_are_exact(dynamo_python):
+    from kvmerge.sim.dynamo import DynamoIndexer
+    from kvmerge.sim.model import BLOCK_SIZE
+    from kvmerge.sim.run import Options, run
+
+    opts = Options(
+        steps=300, seed=5, processes=False, lookup_every=75, lookups=80, interval=0.0
+    )
+    with DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer:
+        result = run(opts, router=indexer)
+        warnings = indexer.warnings()
+    checks = {c.name: c for c in result.checks()}
+    assert all(c.ok for c in checks.values()), checks
+    assert result.lookups is not None and result.lookups.asked >= 300
+    assert result.router_applied is not None
+    assert result.router_applied[("stored", "ok")] > 100
+    assert result.router_applied[("stored", "parent_block_not_found")] == 0
+    # Unknown removals: none, as the rules imply for this stream.
+    assert result.router_applied[("removed", "block_not_found")] == 0
+    assert not [w for w in warnings if "decode" in w.lower()], warnings
