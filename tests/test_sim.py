@@ -126,7 +126,7 @@ def test_the_router_model_follows_dynamos_tiers():
 # --- whole runs in vLLM's scheduler loop ---------------------------------------------
 @pytest.mark.vllm
 def test_the_stream_is_exactly_what_the_rules_publish():
-    """Worker processes behind vLLM's shm MessageQueue; the stream read back
+    """vLLM's MultiprocExecutor and its worker processes; the stream read back
     from the scheduler's publisher equals the reference model's merge of every
     rank's reports, the GPU pool's events beside it; in-process workers give
     the same stream."""

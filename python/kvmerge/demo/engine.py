@@ -3,9 +3,9 @@
 1. Import vLLM; with ``--router dynamo`` start NVIDIA Dynamo's KV indexer.
 2. ``kvmerge.sim.run.Run``: vLLM's ``Scheduler`` (prefix caching, KV events on
    its own ``ZmqEventPublisher``, ``KVMergeMultiConnector`` over the simulated
-   children), worker processes behind vLLM's shm ``MessageQueue`` (forked, as
-   vLLM's executor forks them), a subscriber thread, and the reference model
-   of the rules following every step.
+   children), vLLM's ``MultiprocExecutor`` with one worker process per TP rank
+   (``kvmerge.sim.executor.NoForwardWorker``), a subscriber thread, and the
+   reference model of the rules following every step.
 3. Step: requests arrive, the scheduler schedules, the workers run their
    connectors and sample tokens, ``update_from_output`` publishes; now and
    then the prefix cache is reset.

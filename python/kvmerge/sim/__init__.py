@@ -7,12 +7,16 @@ One harness for ``kvmerge demo``, the tests and the benchmarks:
 * ``children``: child connectors whose events follow what the scheduler did
   (an LRU tier per rank, with per-rank faults), and ``NoTransfer``;
 * ``tier``: the tier and the faults, without vLLM;
-* ``worker``: a TP rank's model runner (the forward pass simulated), in this
-  process or in its own behind vLLM's shm ``MessageQueue``;
-* ``engine``: vLLM's ``Scheduler`` and the workers, step by step;
+* ``worker``: a TP rank's model runner (the forward pass simulated);
+* ``executor``: vLLM's own ``MultiprocExecutor`` over workers of that kind,
+  each in its own process behind vLLM's shm ``MessageQueue``s;
+* ``engine``: vLLM's ``Scheduler`` and the workers (in processes, or in this
+  one), step by step;
+* ``run``, ``stream``: a whole run read back by a subscriber, and its checks;
 * ``transport``: the ``MessageQueue``'s pickling, for in-process workers;
 * ``expect``: what the stream must be, from the reference model of the rules;
-* ``dynamo``: NVIDIA Dynamo's KV indexer as a subscriber.
+* ``dynamo``, ``routing``: NVIDIA Dynamo's KV indexer as a subscriber, and
+  what it must answer.
 
 Importing this package imports no vLLM; its modules do.
 """
