@@ -254,8 +254,10 @@ def test_demo_runs_the_pipeline_and_every_check_passes():
     m = re.search(r"ok   lookups: ([\d,]+) of ([\d,]+) lookups", out)
     assert m and m.group(1) == m.group(2) and number(m.group(1)) >= 60, out
     assert "result: every check passed" in out
-    # --compare: vLLM's own path on the same requests and children.
+    # --compare: vLLM's own path on the same requests and children, beside
+    # kvmerge again with its workers in this process: the same stream.
     compare = out[out.index("--compare:") :]
+    assert "kvmerge in this process publishes the same stream as with worker" in out
     for name in CONNECTORS:
         m = re.search(
             rf"^{name}\s+\S+(?: \[[\d, ]+\])?\s+([\d,]+)\s+([\d,]+)$", compare, re.M
@@ -276,6 +278,7 @@ def test_demo_runs_the_pipeline_and_every_check_passes():
     )
     # LMCache's own rule loses the late rank's reports: children without parents.
     assert m and number(m.group(1)) > 0, compare
+    assert len(re.findall(r"; scheduler side per step p50 [\d.]+ ms", compare)) == 2
 
 
 # --- Ctrl-C ----------------------------------------------------------------------

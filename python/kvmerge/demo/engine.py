@@ -152,6 +152,7 @@ class _Demo:
         self.display = display
         self.interrupt = interrupt
         self.started = time.monotonic()
+        self.compare_failed = False
 
     def run(self) -> int:
         args, d = self.args, self.display
@@ -193,6 +194,11 @@ class _Demo:
             done = self._steps(run)
             result = run.finish()
         except Exception as e:
+            if self.interrupt:
+                # Ctrl-C on a terminal reaches vLLM's worker processes too:
+                # they stop, and the step in flight fails.
+                d.print("interrupted: workers stopped, shared memory released")
+                return self.interrupt.exit_code
             if args.verbose:
                 import traceback
 
@@ -214,7 +220,7 @@ class _Demo:
             self._compare(result)
         if self.interrupt:
             return self.interrupt.exit_code
-        return EXIT_OK if ok else EXIT_FAILED
+        return EXIT_OK if ok and not self.compare_failed else EXIT_FAILED
 
     def _steps(self, run: Any) -> int:
         d, total = self.display, self.args.steps
@@ -320,26 +326,31 @@ class _Demo:
             )
         return ok
 
-    def _compare(self, ours: Any) -> None:
+    def _compare(self, processes: Any) -> None:
         from kvmerge.sim.children import FAMILY
-        from kvmerge.sim.run import run
+        from kvmerge.sim.expect import same_events
+        from kvmerge.sim.run import compare
 
         d, args = self.display, self.args
         d.print("")
         d.print(
-            "--compare: the same requests and the same children through vLLM's own "
-            "path (each child's container merged by its own connector's rule), "
-            "workers in this process"
+            "--compare: the same requests and children through kvmerge and through "
+            "vLLM's own path (each child's container merged by its own "
+            "connector's rule), workers in this process, stepped in turn"
         )
-        router = _router(args)
+        routers = [_router(args), _router(args)] if args.router == "dynamo" else []
         try:
-            theirs = run(
-                options(args, rule="native", processes=False, interval=0.0),
-                router=router,
-            )
+            ours, theirs = compare(options(args), [r for r in routers if r])
         finally:
-            if router is not None:
-                router.close()
+            for router in routers:
+                if router is not None:
+                    router.close()
+        same = same_events(ours.stream, processes.stream) is None
+        d.print(
+            "  kvmerge in this process publishes "
+            + ("the same stream as" if same else "ANOTHER stream than")
+            + " with worker processes"
+        )
         out = [_by_medium(ours), _by_medium(theirs)]
         rows = []
         for kind in args.connectors:
@@ -358,6 +369,8 @@ class _Demo:
             right=(2, 3),
         )
         for name, r in (("kvmerge", ours), ("vLLM", theirs)):
+            ns = sorted(r.merge_ns)
+            p50, p99 = percentile(ns, 0.5), percentile(ns, 0.99)
             line = (
                 f"  {name:<7}: {len(r.children_stream):,} children's events, "
                 f"{r.parents.orphans:,} stores published before their parent's"
@@ -367,11 +380,19 @@ class _Demo:
                     f"; Dynamo: {r.lookups.wrong:,} of {r.lookups.asked:,} lookups "
                     "differ from what the rules imply"
                 )
+            line += (
+                f"; scheduler side per step p50 {fmt_ms(p50 / 1e6 if p50 else None)}"
+                f", p99 {fmt_ms(p99 / 1e6 if p99 else None)}"
+            )
             d.print(line)
         d.print(
-            "  (vLLM's own MultiConnector publishes none of its children's events; "
-            "'vLLM' is what each child's own connector publishes)"
+            "  (scheduler side: KVOutputAggregator and Scheduler.update_from_output, "
+            "which runs the connector; vLLM's own MultiConnector publishes none of "
+            "its children's events: 'vLLM' is what each child's own connector "
+            "publishes)"
         )
+        if not same:
+            self.compare_failed = True
 
 
 def _by_medium(r: Any) -> dict[str, int]:

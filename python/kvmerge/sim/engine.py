@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,10 @@ class Step:
     scheduled: int  # requests scheduled
     finished: list[str]
     preempted: int
+    #: The scheduler side of the KV events: aggregating the workers' outputs
+    #: (in this process; vLLM's executor aggregates in ``execute_model``) and
+    #: ``update_from_output``.
+    merge_ns: int
 
 
 def _hasher() -> Any:
@@ -108,18 +113,21 @@ class Engine:
             raise
         self.steps = 0
 
-    def _run_workers(self, so: Any) -> Any:
-        """Every rank's output for ``so``, aggregated."""
+    def _run_workers(self, so: Any) -> tuple[Any, int]:
+        """Every rank's output for ``so``, aggregated, and the nanoseconds
+        aggregating took in this process."""
         ex = self.executor
         if ex is not None:
             out = ex.execute_model(so)
             if out is None:
                 out = ex.sample_tokens(self.scheduler.get_grammar_bitmask(so))
-            return out
+            return out, 0
         # One pickling for every worker, as the broadcast queue does.
         received = dequeue(enqueue(so))
         outputs = [shm_roundtrip(w.execute(received))[0] for w in self.workers]
-        return self.aggregator.aggregate(outputs, output_rank=0)
+        t = time.perf_counter_ns()
+        out = self.aggregator.aggregate(outputs, output_rank=0)
+        return out, time.perf_counter_ns() - t
 
     def describe(self) -> list[str]:
         """The worker processes and the queues' shared memory, one per line."""
@@ -154,7 +162,10 @@ class Engine:
 
     def step(self) -> Step:
         so = self.scheduler.schedule()
-        results = self.scheduler.update_from_output(so, self._run_workers(so))
+        out, aggregate_ns = self._run_workers(so)
+        t = time.perf_counter_ns()
+        results = self.scheduler.update_from_output(so, out)
+        merge_ns = aggregate_ns + time.perf_counter_ns() - t
         finished = [
             o.request_id
             for eco in results.values()
@@ -167,6 +178,7 @@ class Engine:
             scheduled=len(so.num_scheduled_tokens),
             finished=finished,
             preempted=len(so.preempted_req_ids or ()),
+            merge_ns=merge_ns,
         )
 
     def reset_prefix_cache(self) -> bool:

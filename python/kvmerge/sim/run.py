@@ -15,7 +15,8 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import msgspec
@@ -76,6 +77,8 @@ class Result:
     merge_stats: list[dict[str, int] | None]
     reports: list[int]  # per child, every rank's reports
     step_ns: list[int]
+    #: The scheduler side of the KV events per step (``Step.merge_ns``).
+    merge_ns: list[int]
     finished: int
     preempted: int
     resets: int
@@ -196,6 +199,7 @@ class Run:
         self.expected_events: list[Any] = []
         self.published = 0
         self.step_ns: list[int] = []
+        self.merge_ns: list[int] = []
         self.finished = self.preempted = self.resets = 0
         self.steps = 0
         self._rng = random.Random(f"kvmerge-sim/resets/{opts.seed}")
@@ -273,6 +277,7 @@ class Run:
         t0 = time.perf_counter_ns()
         st = eng.step()
         self.step_ns.append(time.perf_counter_ns() - t0)
+        self.merge_ns.append(st.merge_ns)
         pool, self._pool = self._pool, []
         self.rules_model.apply(pool)
         for events in self.expected.on_step(st.output):
@@ -335,6 +340,7 @@ class Run:
             merge_stats=merge_stats,
             reports=[self.expected.reports[i] for i in range(len(self.opts.families))],
             step_ns=self.step_ns,
+            merge_ns=self.merge_ns,
             finished=self.finished,
             preempted=self.preempted,
             resets=self.resets,
@@ -361,3 +367,25 @@ def run(opts: Options, model: Any = None, router: Any = None) -> Result:
         return r.finish()
     finally:
         r.close()
+
+
+def compare(opts: Options, routers: Sequence[Any] = ()) -> tuple[Result, Result]:
+    """The same requests and children through kvmerge and through vLLM's own
+    path (every child ``"native"``), workers in this process, stepped in turn
+    (so that the machine's load weighs on both alike); ``routers``: none, or
+    one started indexer for each."""
+    both = [
+        Run(replace(opts, rule=rule, processes=False, interval=0.0), router=router)
+        for rule, router in zip((None, "native"), routers or (None, None), strict=True)
+    ]
+    try:
+        for r in both:
+            r.start()
+        for _ in range(opts.steps):
+            for r in both:
+                r.step()
+        ours, theirs = (r.finish() for r in both)
+        return ours, theirs
+    finally:
+        for r in both:
+            r.close()
