@@ -173,28 +173,35 @@ class SaveMeta(KVConnectorMetadata):
 
 
 @dataclass(frozen=True)
-class Lane:
-    """A simulated child's settings (its ``kv_connector_extra_config``)."""
+class ChildSettings:
+    """A simulated child's settings, under ``EXTRA_KEY`` in its
+    ``kv_connector_extra_config`` (``entry`` writes them): its position among
+    the children (its faults' seed), its tier's capacity, its faults."""
 
-    lane: int
+    index: int
     capacity: int
     faults: Faults
 
     def to_extra(self) -> dict[str, Any]:
         return {
             EXTRA_KEY: {
-                "lane": self.lane,
+                "index": self.index,
                 "capacity": self.capacity,
                 "faults": self.faults.to_extra(),
             }
         }
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> Lane:
-        d = extra.get(EXTRA_KEY) or {}
+    def from_extra(cls, extra: Mapping[str, Any]) -> ChildSettings:
+        d = extra.get(EXTRA_KEY)
+        if not isinstance(d, Mapping) or "capacity" not in d:
+            raise ValueError(
+                f"a simulated child needs its {EXTRA_KEY!r} settings in its "
+                "kv_connector_extra_config (kvmerge.sim.children.entry builds them)"
+            )
         return cls(
-            lane=int(d.get("lane", 0)),
-            capacity=int(d.get("capacity", 64)),
+            index=int(d.get("index", 0)),
+            capacity=int(d["capacity"]),
             faults=Faults.from_extra(d.get("faults") or {}),
         )
 
@@ -232,7 +239,7 @@ class SimChild(NoTransfer):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        self.settings = Lane.from_extra(ktc.kv_connector_extra_config)
+        self.settings = ChildSettings.from_extra(ktc.kv_connector_extra_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.world_size = int(vllm_config.parallel_config.world_size)
         self.rank = int(vllm_config.parallel_config.rank)
@@ -243,7 +250,7 @@ class SimChild(NoTransfer):
         # Worker side.
         self.tier = Tier(self.settings.capacity)
         self.reporter = Reporter(
-            self.settings.faults, self.settings.lane, self.rank, self.world_size
+            self.settings.faults, self.settings.index, self.rank, self.world_size
         )
         self.step = 0
         self._changes: list[Change] = []
@@ -461,7 +468,7 @@ assert tuple(FAMILY) == FAMILIES
 
 def entry(
     family: str,
-    lane: int,
+    index: int,
     *,
     capacity: int | None = None,
     seed: int = 0,
@@ -472,7 +479,7 @@ def entry(
     overrides kvmerge's (``"native"``: vLLM's own path)."""
     k = FAMILY[family]
     f = Faults(seed=seed, **(k.faults if faults else {}))
-    extra = Lane(lane, capacity or k.capacity, f).to_extra()
+    extra = ChildSettings(index, capacity or k.capacity, f).to_extra()
     if rule is not None:
         extra[MERGE_KEY] = rule
     return child_entry(k.cls.__name__, MODULE, extra)

@@ -25,12 +25,19 @@ from kvmerge.testing.reference import ReferenceMerger
 from kvmerge.vllm.rules import DEFAULT_MAX_PENDING_STEPS, MAX_PENDING_KEY, MERGE_KEY
 
 from . import children
-from .children import EXTRA_KEY, FAMILY, Lane, SaveMeta, SimChild, mooncake_factors
+from .children import (
+    EXTRA_KEY,
+    FAMILY,
+    ChildSettings,
+    SaveMeta,
+    SimChild,
+    mooncake_factors,
+)
 from .tier import Hash, Reporter, Tier
 
 
 @dataclass
-class _Lane:
+class _Child:
     cls: type[SimChild]
     tier: Tier
     reporters: list[Reporter]
@@ -56,7 +63,7 @@ class Expected:
         self.world_size = int(config.parallel_config.world_size)
         self.block_size = int(config.cache_config.block_size)
         max_pending = int(extra.get(MAX_PENDING_KEY, DEFAULT_MAX_PENDING_STEPS))
-        self.lanes: list[_Lane | None] = []
+        self.children: list[_Child | None] = []
         for entry in extra["connectors"]:
             cls = getattr(children, entry["kv_connector"], None)
             child_extra = entry.get("kv_connector_extra_config") or {}
@@ -65,9 +72,9 @@ class Expected:
                 or not issubclass(cls, SimChild)
                 or EXTRA_KEY not in child_extra
             ):
-                self.lanes.append(None)
+                self.children.append(None)
                 continue
-            lane = Lane.from_extra(child_extra)
+            settings = ChildSettings.from_extra(child_extra)
             rule = _rule(entry, cls)
             factors = mooncake_factors(self.world_size)
             merger = ReferenceMerger(
@@ -76,19 +83,19 @@ class Expected:
                 list(factors) if rule == "quorum" else None,
                 max_pending_steps=max_pending,
             )
-            self.lanes.append(
-                _Lane(
+            self.children.append(
+                _Child(
                     cls,
-                    Tier(lane.capacity),
+                    Tier(settings.capacity),
                     [
-                        Reporter(lane.faults, lane.lane, r, self.world_size)
+                        Reporter(settings.faults, settings.index, r, self.world_size)
                         for r in range(self.world_size)
                     ],
                     merger,
                 )
             )
         self.step = 0
-        #: Reports per lane (every rank).
+        #: Reports per child (every rank).
         self.reports: Counter[int] = Counter()
 
     def on_step(self, scheduler_output: Any) -> list[list[Any]]:
@@ -96,19 +103,19 @@ class Expected:
         where the child is not a simulated one)."""
         metas = list(getattr(scheduler_output.kv_connector_metadata, "metadata", ()))
         out: list[list[Any]] = []
-        for i, lane in enumerate(self.lanes):
+        for i, child in enumerate(self.children):
             meta = metas[i] if i < len(metas) else None
-            if lane is None or not isinstance(meta, SaveMeta):
+            if child is None or not isinstance(meta, SaveMeta):
                 out.append([])
                 continue
             if meta.reset:
-                lane.tier.clear()
-                for r in lane.reporters:
+                child.tier.clear()
+                for r in child.reporters:
                     r.reset()
-            changes = lane.tier.save(meta.chains)
-            for rank, reporter in enumerate(lane.reporters):
+            changes = child.tier.save(meta.chains)
+            for rank, reporter in enumerate(child.reporters):
                 events = children.events(
-                    lane.cls,
+                    child.cls,
                     rank,
                     self.world_size,
                     self.block_size,
@@ -116,19 +123,19 @@ class Expected:
                 )
                 # What the worker side reads back from the family's container
                 # (a Counter groups a rank's repeated reports, for one).
-                container = lane.cls.make_container(self.world_size, events)
+                container = child.cls.make_container(self.world_size, events)
                 events = list(container.get_all_events()) if container else []
                 self.reports[i] += len(events)
-                lane.merger.add(rank, events)
-            out.append(lane.merger.finish_step())
+                child.merger.add(rank, events)
+            out.append(child.merger.finish_step())
         self.step += 1
         return out
 
     def reset(self) -> None:
         """The engine reset its prefix cache (and the connector)."""
-        for lane in self.lanes:
-            if lane is not None:
-                lane.merger.reset()
+        for child in self.children:
+            if child is not None:
+                child.merger.reset()
 
 
 _encode = msgspec.msgpack.encode

@@ -155,12 +155,6 @@ class RouterModel:
             counts.append(n)
         return Match(gpu=gpu, cpu=counts[0], disk=counts[2])
 
-    def chain(self, h: Hash, parents: dict[Hash, Hash | None]) -> list[Hash]:
-        out = [h]
-        while (p := parents.get(out[-1])) is not None and len(out) < 4096:
-            out.append(p)
-        return out[::-1]
-
 
 @dataclass
 class Lookups:
@@ -195,6 +189,13 @@ class RouterCheck:
                     self.parents.setdefault(h, p)
                     p = h
 
+    def chain(self, h: Hash) -> list[Hash]:
+        """The chain ending at ``h``, root first."""
+        out = [h]
+        while (p := self.parents.get(out[-1])) is not None and len(out) < 4096:
+            out.append(p)
+        return out[::-1]
+
     def sync(self, model: RouterModel, timeout: float = 30.0) -> None:
         """Wait until the indexer has applied the device-tier events the
         model has (it counts those alone), and a moment more for the rest of
@@ -208,7 +209,7 @@ class RouterCheck:
         found = Lookups()
         hashes = list(self.parents)
         for _ in range(n if hashes else 0):
-            chain = model.chain(self.rng.choice(hashes), self.parents)
+            chain = self.chain(self.rng.choice(hashes))
             chain = chain[: self.rng.randint(1, len(chain))]
             if any(h not in model.tokens for h in chain):
                 continue

@@ -187,12 +187,11 @@ def _pool_events(events: list[Any]) -> list[Any]:
 class Run:
     """``router``: a started ``DynamoIndexer`` to register on the stream."""
 
-    def __init__(self, opts: Options, model: Any = None, router: Any = None) -> None:
+    def __init__(self, opts: Options, router: Any = None) -> None:
         self.opts = opts
         self._tmpdir = tempfile.mkdtemp(prefix="kvmerge-sim-")
         self.endpoint = opts.endpoint or f"ipc://{os.path.join(self._tmpdir, 'kv')}"
         self.replay = opts.replay_endpoint or f"{self.endpoint}-replay"
-        self.model = model
         self.engine: Any = None
         self.reader: Any = None
         self.stream: list[Any] = []
@@ -216,10 +215,8 @@ class Run:
         from .model import engine_config, model_dir
 
         o = self.opts
-        if self.model is None:
-            self.model = model_dir(self._tmpdir, o.workers)
         return engine_config(
-            self.model,
+            model_dir(self._tmpdir, o.workers),
             [
                 entry(k, i, capacity=o.capacity, seed=o.seed, rule=o.rule)
                 for i, k in enumerate(o.families)
@@ -357,9 +354,9 @@ class Run:
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
-def run(opts: Options, model: Any = None, router: Any = None) -> Result:
+def run(opts: Options, router: Any = None) -> Result:
     """A whole run, start to finish."""
-    r = Run(opts, model, router)
+    r = Run(opts, router)
     try:
         r.start()
         for _ in range(opts.steps):
@@ -371,9 +368,9 @@ def run(opts: Options, model: Any = None, router: Any = None) -> Result:
 
 def compare(opts: Options, routers: Sequence[Any] = ()) -> tuple[Result, Result]:
     """The same requests and children through kvmerge and through vLLM's own
-    path (every child ``"native"``), workers in this process, stepped in turn
-    (so that the machine's load weighs on both alike); ``routers``: none, or
-    one started indexer for each."""
+    path (every child ``"native"``), workers in this process, stepped in turn,
+    the first of each step alternating (so that the machine's load weighs on
+    both alike); ``routers``: none, or one started indexer for each."""
     both = [
         Run(replace(opts, rule=rule, processes=False, interval=0.0), router=router)
         for rule, router in zip((None, "native"), routers or (None, None), strict=True)
@@ -381,8 +378,9 @@ def compare(opts: Options, routers: Sequence[Any] = ()) -> tuple[Result, Result]
     try:
         for r in both:
             r.start()
-        for _ in range(opts.steps):
-            for r in both:
+        for i in range(opts.steps):
+            # Which one goes first alternates: neither always gets warm caches.
+            for r in both if i % 2 else both[::-1]:
                 r.step()
         ours, theirs = (r.finish() for r in both)
         return ours, theirs

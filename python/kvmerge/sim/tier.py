@@ -101,7 +101,7 @@ P_REPEAT: Final = 0.10
 
 @dataclass(frozen=True)
 class Faults:
-    """Which faults a lane's ranks show, and the seed they are drawn from.
+    """Which faults a child's ranks show, and the seed they are drawn from.
 
     * ``late``: the last rank sometimes reports a step late (the tail of its
       step's reports, sometimes all of them, lead its next report);
@@ -133,19 +133,19 @@ class Faults:
 
 
 class Reporter:
-    """One rank's reports of one lane, step by step: its tier's changes with
+    """One rank's reports of one child, step by step: its tier's changes with
     its faults applied."""
 
-    def __init__(self, faults: Faults, lane: int, rank: int, world_size: int) -> None:
+    def __init__(self, faults: Faults, child: int, rank: int, world_size: int) -> None:
         self.faults = faults
-        self.lane = lane
+        self.child = child
         self.rank = rank
         self.last = rank == world_size - 1 and world_size > 1
         self._held: list[Change] = []
 
     def report(self, step: int, changes: list[Change]) -> list[Change]:
         f = self.faults
-        rng = random.Random(f"kvmerge-sim/{f.seed}/{self.lane}/{self.rank}/{step}")
+        rng = random.Random(f"kvmerge-sim/{f.seed}/{self.child}/{self.rank}/{step}")
         out = self._held + changes
         self._held = []
         if f.lost and not self.last and rng.random() < P_LOST:
