@@ -17,9 +17,10 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from typing import Any
 
 import msgspec
+from vllm.distributed.kv_events import MEDIUM_GPU
 
 from kvmerge.vllm.rules import DEFAULT_MAX_PENDING_STEPS, MAX_PENDING_KEY
 
@@ -27,9 +28,6 @@ from . import FAMILIES
 from .expect import Expected, ParentCheck, same_events
 from .requests import Arrivals
 from .routing import Lookups, RouterCheck, RouterModel
-
-#: The GPU block pool's medium (vLLM's ``MEDIUM_GPU``).
-GPU: Final = "GPU"
 
 
 @dataclass
@@ -92,12 +90,12 @@ class Result:
 
     @property
     def children_stream(self) -> list[Any]:
-        """The children's events: the stream without the GPU pool's."""
+        """The children's events: the stream without the GPU pool's (its
+        stores and removals, and its clears, which have no medium)."""
         return [
             e
             for e in self.stream
-            if getattr(e, "medium", None) not in (GPU, None)
-            and type(e).__name__ != "AllBlocksCleared"
+            if getattr(e, "medium", None) not in (MEDIUM_GPU, None)
         ]
 
     def checks(self) -> list[Check]:
@@ -180,7 +178,7 @@ def _pool_events(events: list[Any]) -> list[Any]:
         e
         for e in events
         if not isinstance(e, msgspec.Raw)
-        and (type(e).__name__ == "AllBlocksCleared" or e.medium == GPU)
+        and (type(e).__name__ == "AllBlocksCleared" or e.medium == MEDIUM_GPU)
     ]
 
 
