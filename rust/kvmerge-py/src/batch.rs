@@ -16,7 +16,7 @@ use pyo3::types::{PyBytes, PyList, PyMemoryView, PyTuple, PyType};
 use crate::errors::{
     config, corrupt_batch, incomplete_batch, invalid_event, rank_out_of_range, PyKvError,
 };
-use crate::gil::without_gil;
+use crate::gil::{is_small, without_gil_unless};
 use crate::merger::{config_arg, int_arg};
 use crate::schema::schema;
 use kvmerge_core::FillError;
@@ -182,7 +182,8 @@ impl PyEventBatch {
                 unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
             Box::new(bytes.to_vec())
         };
-        let batch = without_gil(py, || Batch::from_backing(backing))
+        let small = is_small(backing.bytes().len() as u64, 0);
+        let batch = without_gil_unless(py, small, || Batch::from_backing(backing))
             .map_err(|e| Refusal::Corrupt(e.to_string()))?;
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
@@ -315,7 +316,9 @@ impl PyEventBatch {
             return Ok(PyEventBatch::new(me.clone()));
         }
         let refs: Vec<&Batch> = inners.iter().map(|b| &**b).collect();
-        let batch = without_gil(py, || me.filled(&refs)).map_err(|e| match e {
+        let work: u64 = refs.iter().map(|b| b.bytes().len() as u64).sum();
+        let small = is_small(work + me.bytes().len() as u64, 0);
+        let batch = without_gil_unless(py, small, || me.filled(&refs)).map_err(|e| match e {
             FillError::Missing(i) => incomplete_batch(
                 py,
                 format!(
@@ -371,8 +374,11 @@ impl PyEventBatch {
             )));
         }
         let inner = &**me;
-        let batch = without_gil(py, || Batch::try_gather(idx.iter().map(|&i| (inner, i))))
-            .map_err(|e| PyValueError::new_err(format!("take: {e}")))?;
+        let small = is_small(total, idx.len() as u64);
+        let batch = without_gil_unless(py, small, || {
+            Batch::try_gather(idx.iter().map(|&i| (inner, i)))
+        })
+        .map_err(|e| PyValueError::new_err(format!("take: {e}")))?;
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
@@ -394,7 +400,8 @@ impl PyEventBatch {
                 "concat: {total} bytes of events exceed one batch's 4 GiB limit"
             )));
         }
-        let batch = without_gil(py, || {
+        let events: u64 = inners.iter().map(|b| b.len() as u64).sum();
+        let batch = without_gil_unless(py, is_small(total, events), || {
             let events: Vec<(&Batch, usize)> = inners
                 .iter()
                 .flat_map(|b| (0..b.len()).map(move |i| (&**b, i)))
@@ -616,7 +623,9 @@ pub fn encode(
     let payload = payload.cast::<PyBytes>()?;
     let bytes: &[u8] = payload.as_bytes();
     let carrier = carrier.as_ref().map(|(cfg, r)| (cfg, *r));
-    let batch = without_gil(py, || Batch::encode_for(bytes, carrier)).map_err(PyKvError::from)?;
+    let small = is_small(bytes.len() as u64, 0);
+    let batch = without_gil_unless(py, small, || Batch::encode_for(bytes, carrier))
+        .map_err(PyKvError::from)?;
     Ok(PyEventBatch::new(Arc::new(batch)))
 }
 

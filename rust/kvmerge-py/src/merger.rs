@@ -1,6 +1,6 @@
 //! `Merger` and `MergerStats`.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use kvmerge_core::merge::Published;
 use kvmerge_core::merge::MAX_WORLD_SIZE;
@@ -11,7 +11,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::batch::{raw_list, PyEventBatch};
 use crate::errors::{config, rank_out_of_range, PyKvError};
-use crate::gil::without_gil;
+use crate::gil::{is_small, without_gil};
 
 /// Merges per-rank event batches into events published once.
 #[pyclass(module = "kvmerge", frozen, name = "Merger")]
@@ -42,12 +42,41 @@ impl PyMerger {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// `f` on the merger: with the GIL held when the merger is free and
+    /// `small` says the work is (see `gil`), else with the GIL released.
+    /// Never waits for the lock with the GIL held: a call holding the lock
+    /// without the GIL may need the GIL to finish (dropping the last
+    /// reference to a borrowed Python buffer).
+    fn run<T, F>(&self, py: Python<'_>, small: impl FnOnce(&Merger) -> bool, f: F) -> T
+    where
+        F: Send + FnOnce(&mut Merger) -> T,
+        T: Send,
+    {
+        let free = match self.inner.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut merger) = free {
+            if small(&merger) {
+                return f(&mut merger);
+            }
+        }
+        without_gil(py, || f(&mut self.lock()))
+    }
+
+    /// Whether the next `finish_step` is small work (see `Merger::load`).
+    fn small_finish(merger: &Merger) -> bool {
+        let (bytes, reports) = merger.load();
+        is_small(bytes, reports)
+    }
+
     fn finish(&self, py: Python<'_>) -> Arc<kvmerge_core::Batch> {
-        without_gil(py, || self.lock().finish_step())
+        self.run(py, Self::small_finish, |m| m.finish_step())
     }
 
     fn finish_published(&self, py: Python<'_>) -> Published {
-        without_gil(py, || self.lock().finish_step_published())
+        self.run(py, Self::small_finish, |m| m.finish_step_published())
     }
 }
 
@@ -116,7 +145,9 @@ impl PyMerger {
         // would have refused it: the caller drops this rank's report.
         let batch = batch.get().batch(py)?.clone();
         let rank = self.rank_arg(rank)?;
-        without_gil(py, || self.lock().add(rank, batch)).map_err(|e| PyKvError::from(e).into())
+        let small = is_small(0, batch.len() as u64);
+        self.run(py, |_| small, |m| m.add(rank, batch))
+            .map_err(|e| PyKvError::from(e).into())
     }
 
     /// Add several ranks' batches at once: all of them, or none on error.
@@ -132,7 +163,9 @@ impl PyMerger {
                 Ok((self.rank_arg(&r)?, batch))
             })
             .collect::<PyResult<Vec<_>>>()?;
-        without_gil(py, || self.lock().add_all(reports)).map_err(|e| PyKvError::from(e).into())
+        let small = is_small(0, reports.iter().map(|(_, b)| b.len() as u64).sum());
+        self.run(py, |_| small, |m| m.add_all(reports))
+            .map_err(|e| PyKvError::from(e).into())
     }
 
     fn finish_step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -137,6 +137,14 @@ impl Merger {
         }
     }
 
+    /// What the next `finish_step` works through: the bytes of events
+    /// carried by the batches its reports point into (a bound on what it
+    /// copies out), and its reports, pending and this step's. Constant time.
+    pub fn load(&self) -> (u64, u64) {
+        let (bytes, reports) = self.slots.load();
+        (bytes + self.incoming_load.0, reports + self.incoming_load.1)
+    }
+
     /// Records `rank`'s batch for this step. Checks everything first, so a
     /// rejected call changes nothing.
     pub fn add(&mut self, rank: i64, batch: Arc<Batch>) -> Result<()> {
