@@ -83,10 +83,10 @@ class _Interrupt:
         return self.event.is_set()
 
 
-def options(args: argparse.Namespace, **changes: Any) -> Any:
+def options(args: argparse.Namespace) -> Any:
     from kvmerge.sim.run import Options
 
-    o = Options(
+    return Options(
         workers=args.workers,
         steps=args.steps,
         rate=args.rate,
@@ -102,9 +102,6 @@ def options(args: argparse.Namespace, **changes: Any) -> Any:
         interval=args.interval,
         lookups=args.lookups,
     )
-    for k, v in changes.items():
-        setattr(o, k, v)
-    return o
 
 
 def _router(args: argparse.Namespace) -> Any:
@@ -351,7 +348,6 @@ class _Demo:
             + ("the same stream as" if same else "ANOTHER stream than")
             + " with worker processes"
         )
-        out = [_by_medium(ours), _by_medium(theirs)]
         rows = []
         for kind in args.connectors:
             m = FAMILY[kind].cls.MEDIUM
@@ -359,8 +355,8 @@ class _Demo:
                 [
                     FAMILY[kind].cls.__name__,
                     _rule_text(kind, args),
-                    f"{out[0].get(m, 0):,}",
-                    f"{out[1].get(m, 0):,}",
+                    f"{ours.by_medium.get(m, 0):,}",
+                    f"{theirs.by_medium.get(m, 0):,}",
                 ]
             )
         d.table(
@@ -393,13 +389,6 @@ class _Demo:
         )
         if not same:
             self.compare_failed = True
-
-
-def _by_medium(r: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for e in r.children_stream:
-        out[e.medium] = out.get(e.medium, 0) + 1
-    return out
 
 
 def _rule_text(kind: str, args: argparse.Namespace) -> str:

@@ -318,10 +318,8 @@ class SimChild(NoTransfer):
         changes, self._changes = self._changes, []
         reports = self.reporter.report(self.step, changes)
         self.step += 1
-        return self.make_container(self.world_size, self.events(reports))
-
-    def events(self, reports: list[Change]) -> list[KVCacheEvent]:
-        return events(type(self), self.rank, self.world_size, self.block_size, reports)
+        own = events(type(self), self.rank, self.world_size, self.block_size, reports)
+        return self.make_container(self.world_size, own)
 
     @classmethod
     def make_container(

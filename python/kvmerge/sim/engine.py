@@ -41,7 +41,6 @@ class Step:
     """What one engine step did."""
 
     output: Any  # SchedulerOutput
-    scheduled: int  # requests scheduled
     finished: list[str]
     preempted: int
     #: The scheduler side of the KV events: aggregating the workers' outputs
@@ -111,7 +110,6 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        self.steps = 0
 
     def _run_workers(self, so: Any) -> tuple[Any, int]:
         """Every rank's output for ``so``, aggregated, and the nanoseconds
@@ -172,10 +170,8 @@ class Engine:
             for o in eco.outputs
             if o.finish_reason is not None
         ]
-        self.steps += 1
         return Step(
             output=so,
-            scheduled=len(so.num_scheduled_tokens),
             finished=finished,
             preempted=len(so.preempted_req_ids or ()),
             merge_ns=merge_ns,
@@ -190,10 +186,6 @@ class Engine:
             )
         )
 
-    @property
-    def unfinished(self) -> int:
-        return int(self.scheduler.get_num_unfinished_requests())
-
     # --- the end -------------------------------------------------------------------
     def close(self) -> None:
         if self.executor is not None:
@@ -204,9 +196,3 @@ class Engine:
         if scheduler is not None:
             with contextlib.suppress(Exception):
                 scheduler.shutdown()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

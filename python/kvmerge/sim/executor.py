@@ -85,7 +85,6 @@ class NoForwardWorker(WorkerBase):
         )
         self.worker: Worker | None = None
         self._pending: Any = None
-        self.connector: Any = None
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         return None
@@ -111,15 +110,14 @@ class NoForwardWorker(WorkerBase):
 
         ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
         if has_kv_transfer_group():
-            self.connector = get_kv_transfer_group()
-            self.worker = Worker(self.connector)
+            self.worker = Worker(get_kv_transfer_group())
 
     def get_kv_connector_handshake_metadata(self) -> dict[Any, Any] | None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        if self.connector is None:
+        if self.worker is None:
             return None
-        metadata = self.connector.get_handshake_metadata()
+        metadata = self.worker.connector.get_handshake_metadata()
         if metadata is None:
             return None
         key = (get_pp_group().rank_in_group, get_tp_group().rank_in_group)

@@ -6,12 +6,12 @@ partial prefill, as the model runner discards those). Tokens are a hash of the
 request and position: every rank samples the same ones, and a rerun the same
 stream.
 
-``Worker`` is a rank in the engine's own process (``Engine(processes=False)``):
-``execute`` drives its KV connector in the order vLLM's model runner does
-(``KVConnectorModelRunnerMixin``: bind the metadata, start the loads, the
-forward pass, wait for the saves, the transfer results, stats, events, worker
-metadata, clear). Ranks in their own processes are vLLM's own ``WorkerProc``s
-over ``kvmerge.sim.executor.NoForwardWorker``.
+``Worker.execute`` drives a rank's KV connector in the order vLLM's model
+runner does (``KVConnectorModelRunnerMixin``: bind the metadata, start the
+loads, the forward pass, wait for the saves, the transfer results, stats,
+events, worker metadata, clear). It is a rank in the engine's own process
+(``Engine(processes=False)``), and the model runner of
+``kvmerge.sim.executor.NoForwardWorker`` in vLLM's own ``WorkerProc``s.
 """
 
 from __future__ import annotations
