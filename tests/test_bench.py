@@ -1,27 +1,31 @@
-"""``kvmerge bench``: the workload generator, the transport emulation, and a
+"""``benches.compare``: the workload generator, the transport emulation, and a
 tiny run end to end (JSON, PNG, path B equal to the reference model)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import msgspec
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 import kvmerge
-from kvmerge.bench import grid_from_args, main, run_bench
-from kvmerge.bench.check import ChildDiff
-from kvmerge.bench.runner import Case, run_case
-from kvmerge.bench.workload import Workload, WorkloadConfig, preset
+from benches.compare import build_parser, grid_from_args, main, run_bench
+from benches.compare.check import ChildDiff
+from benches.compare.runner import Case, run_case
+from benches.compare.workload import Workload, WorkloadConfig, preset
 from kvmerge.sim.transport import OOB_THRESHOLD, dequeue, enqueue
 
 pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ENC = msgspec.msgpack.Encoder()
 
@@ -35,11 +39,11 @@ def encoded(config: WorkloadConfig, steps: int) -> list:
 
 def test_module_imports_no_vllm():
     code = (
-        "import argparse, sys, kvmerge.bench as b; "
+        "import argparse, sys, benches.compare as b; "
         "b.add_arguments(argparse.ArgumentParser()); "
         "assert 'vllm' not in sys.modules, 'vllm imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
 # --- workload --------------------------------------------------------------------
@@ -153,7 +157,7 @@ def _case(workload: str, events: int, b_ms: float) -> dict:
 
 
 def test_straggler_targets_compare_with_the_healthy_case():
-    from kvmerge.bench.runner import targets
+    from benches.compare.runner import targets
 
     cases = [
         _case("uniform", 512, 1.0),
@@ -268,16 +272,29 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     assert png.startswith(b"\x89PNG")
 
 
-def test_cli_registers_bench():
-    from kvmerge.cli import SUBCOMMANDS, build_parser
+def test_the_wheel_has_no_bench():
+    from kvmerge.cli import SUBCOMMANDS
 
-    assert SUBCOMMANDS["bench"][0] == "kvmerge.bench"
-    args = build_parser().parse_args(["bench", "--quick"])
+    assert "bench" not in SUBCOMMANDS
+    assert importlib.util.find_spec("kvmerge.bench") is None
+
+
+def test_runs_as_a_module_from_the_checkout():
+    args = build_parser().parse_args(["--quick"])
     assert args.quick
     assert [c.key for c in grid_from_args(args)][:2] == [
         "uniform/tp2/16",
         "uniform/tp2/32",
     ]
+    done = subprocess.run(
+        [sys.executable, "-m", "benches.compare", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.startswith("usage: python -m benches.compare")
 
 
 def test_run_bench_as_a_module_without_checks():
@@ -289,7 +306,7 @@ def test_run_bench_as_a_module_without_checks():
 
 def test_bad_arguments():
     p = argparse.ArgumentParser()
-    from kvmerge.bench import add_arguments
+    from benches.compare import add_arguments
 
     add_arguments(p)
     with pytest.raises(SystemExit):

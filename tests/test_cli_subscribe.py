@@ -156,7 +156,7 @@ def frames(batch, seq: int) -> list[bytes]:
 
 
 def test_a_gap_is_filled_from_the_replay_socket_in_order(publisher):
-    from kvmerge.subscribe import EventSubscriber
+    from kvmerge.subscriber import EventSubscriber
 
     pub = publisher()
     sent = batches(8)
@@ -193,7 +193,7 @@ def test_a_gap_is_filled_from_the_replay_socket_in_order(publisher):
 
 
 def test_batches_the_publisher_no_longer_holds_are_counted_missing(publisher):
-    from kvmerge.subscribe import EventSubscriber
+    from kvmerge.subscriber import EventSubscriber
 
     pub = publisher(buffer_steps=3)  # replays only the last 3 batches
     sent = batches(10)
@@ -212,7 +212,7 @@ def test_batches_the_publisher_no_longer_holds_are_counted_missing(publisher):
 
 
 def test_history_fetches_what_was_published_before(publisher):
-    from kvmerge.subscribe import EventSubscriber
+    from kvmerge.subscriber import EventSubscriber
 
     pub = publisher()
     sent = batches(4)
@@ -323,7 +323,7 @@ def test_the_command_reads_vllms_publisher_without_importing_vllm(publisher, tmp
     """A fresh interpreter reads a real ZmqEventPublisher (history from the
     replay socket, then live batches) and writes what vLLM's classes encode as
     JSON, having imported neither vLLM nor torch."""
-    from kvmerge.subscribe import EventSubscriber
+    from kvmerge.subscriber import EventSubscriber
 
     pub = publisher()
     sent = batches(6)

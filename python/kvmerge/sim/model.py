@@ -7,7 +7,7 @@ loaded (prompts are token ids). The KV cache has one full-attention group of
 ``num_blocks`` blocks: small, so that blocks are evicted and requests
 preempted.
 
-Connectors alone (the plugin tests, ``kvmerge bench``) need no model:
+Connectors alone (the plugin tests, ``python -m benches.compare``) need no model:
 ``connector_config`` is a ``VllmConfig`` on ``DeviceConfig("cpu")`` with a
 ``KVTransferConfig`` over the given children, ``worker_config`` a rank's copy
 of it, and ``create_connector`` builds a connector from one, as vLLM's

@@ -1,6 +1,6 @@
 """A subscriber thread that reads an engine's published stream back.
 
-``StreamReader`` reads with ``kvmerge.subscribe.EventSubscriber`` (gaps filled
+``StreamReader`` reads with ``kvmerge.subscriber.EventSubscriber`` (gaps filled
 from the replay socket) from the first batch on, and hands every batch's
 events, in sequence order, to ``feed``; ``finish(last_seq)`` waits until the
 batch ``last_seq`` has arrived (asking the replay socket for what the live
@@ -20,7 +20,7 @@ class StreamReader(threading.Thread):
         self, endpoint: str, replay: str, topic: str, feed: Callable[[list[Any]], None]
     ) -> None:
         super().__init__(name="kvmerge-stream-reader", daemon=True)
-        from kvmerge.subscribe import EventSubscriber
+        from kvmerge.subscriber import EventSubscriber
 
         # Connected now, on this thread; used only by the reader thread after.
         self.sub = EventSubscriber(

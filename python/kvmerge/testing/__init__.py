@@ -1,5 +1,5 @@
-"""Test machinery that ships with kvmerge, for its own tests, ``kvmerge bench``
-and anyone checking a merge of their own.
+"""Test machinery that ships with kvmerge (as ``polars.testing`` does), for its
+own tests, the benchmarks and anyone checking a merge of their own.
 
 ``kvmerge.testing.reference`` is a naive, independent Python model of
 ``kvmerge.Merger``, written from docs/merge-rules.md: ``ReferenceMerger``,

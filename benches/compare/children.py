@@ -1,7 +1,7 @@
 """The child connectors of the benchmark, for both paths.
 
 vLLM loads them by name through ``"kv_connector_module_path":
-"kvmerge.bench.children"``, as children of vLLM's own ``MultiConnector``
+"benches.compare.children"``, as children of vLLM's own ``MultiConnector``
 (path A) or of ``KVMergeMultiConnector`` (path B). Their worker sides return
 the REAL vLLM 0.33.0 containers, built exactly as the upstream workers build
 them (``LMCacheConnectorV1`` and ``MooncakeStoreConnector``: create the

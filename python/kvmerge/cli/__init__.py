@@ -15,15 +15,14 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "example": ("kvmerge.example", "a small encode / carry / merge example"),
-    "bench": ("kvmerge.bench", "kvmerge against vLLM 0.33.0's own KV-event path"),
+    "example": ("kvmerge.cli.example", "a small encode / carry / merge example"),
     "demo": (
-        "kvmerge.demo",
+        "kvmerge.cli.demo",
         "run the whole pipeline live (TP worker processes, vLLM's transport and "
         "publisher) and check the published stream",
     ),
     "subscribe": (
-        "kvmerge.subscribe",
+        "kvmerge.cli.subscribe",
         "read a vLLM KV-event stream: rates, sequence gaps, replay, JSON lines",
     ),
 }

@@ -1,7 +1,7 @@
 """A small, complete example: four TP ranks report KV events, one is late
 and one repeats itself; the merger publishes each logical event once.
 
-    kvmerge example        (or: python -m kvmerge.example)
+    kvmerge example        (or: python -m kvmerge.cli.example)
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""``kvmerge bench``: kvmerge against vLLM 0.33.0's own KV-event path, side by
-side, in one run.
+"""kvmerge against vLLM 0.33.0's own KV-event path, side by side, in one run.
+
+A development tool, run from the checkout (it is not in the wheel).
 
 Path A is vLLM 0.33.0 as shipped (each child connector's native container,
 pickled as the shm ``MessageQueue`` pickles it, ``KVOutputAggregator``, the
@@ -11,17 +12,17 @@ per step: scheduler-side time, worker-side time per rank, bytes per rank, the
 ratios, and each path's output against the reference model
 (``kvmerge.testing.reference``). Output: a table, a JSON file and a PNG plot.
 
-    kvmerge bench                      # the full grid (minutes)
-    kvmerge bench --quick              # a few seconds
-    python -m kvmerge.bench --help
+    python -m benches.compare            # the full grid (minutes)
+    python -m benches.compare --quick    # a few seconds
+    python -m benches.compare --help
 
 As a module::
 
-    from kvmerge.bench import run_bench
+    from benches.compare import run_bench
     doc = run_bench(grid=[Case("uniform", 8, 512)], steps=10)
 
 vLLM is imported inside ``run`` (and the submodules), not here, so that
-``kvmerge --help`` stays instant.
+``--help`` and option errors answer at once.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .runner import Case
 
-__all__ = ["add_arguments", "main", "run", "run_bench"]
+__all__ = ["add_arguments", "build_parser", "main", "run", "run_bench"]
 
 DEFAULT_OUT = "bench-out"
 
@@ -281,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [w for w in args.workloads if w not in PRESETS]
     if unknown:
         print(
-            f"kvmerge bench: unknown workload(s) {', '.join(unknown)}; "
+            f"benches.compare: unknown workload(s) {', '.join(unknown)}; "
             f"one of {', '.join(PRESETS)}",
             file=sys.stderr,
         )
@@ -339,9 +340,13 @@ def run(args: argparse.Namespace) -> int:
     return 1 if b_differs else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvmerge bench", description=__doc__.split("\n\n")[0]
+        prog="python -m benches.compare", description=__doc__.split("\n\n")[0]
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))

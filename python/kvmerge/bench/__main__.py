@@ -1,5 +1,0 @@
-import sys
-
-from kvmerge.bench import main
-
-sys.exit(main())
