@@ -32,7 +32,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criteri
 use kvmerge_core::msgpack::{write_array_header, Reader};
 use kvmerge_core::schema::read_event;
 use kvmerge_core::testing::{clear, payload, write_stored_tail, write_str, write_uint, Ev};
-use kvmerge_core::{Batch, Identity, Merger, MergerConfig, Rule};
+use kvmerge_core::{Batch, Carriers, Identity, Merger, MergerConfig, Rule};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Hashes {
@@ -240,11 +240,12 @@ fn decode(c: &mut Criterion) {
     g.finish();
 }
 
-/// Per-rank batches for one step, each encoded for its rank of `cfg` (the
-/// bytes other ranks carry left out). `skew` drops every 10th event on the
-/// last rank and adds a clear to every rank, forcing the general merge path.
-fn step_batches(cfg: &MergerConfig, n: usize, kind: Hashes, skew: bool) -> Vec<Arc<Batch>> {
-    let ranks = cfg.world_size;
+/// Per-rank batches for one step, each encoded for its rank of `carriers`
+/// (without the bytes other ranks carry). `skew` drops every 10th event on
+/// the last rank and adds a clear to every rank, forcing the general merge
+/// path.
+fn step_batches(carriers: &Carriers, n: usize, kind: Hashes, skew: bool) -> Vec<Arc<Batch>> {
+    let ranks = carriers.world_size;
     let base = events(n, kind);
     (0..ranks)
         .map(|r| {
@@ -261,7 +262,7 @@ fn step_batches(cfg: &MergerConfig, n: usize, kind: Hashes, skew: bool) -> Vec<A
                 evs.insert(evs.len() / 2, clear());
             }
             // One batch per rank, as the ranks' workers would send them.
-            Arc::new(Batch::encode_for(&payload(&evs), Some((cfg, r))).expect("valid events"))
+            Arc::new(Batch::encode_for(&payload(&evs), Some((carriers, r))).expect("valid events"))
         })
         .collect()
 }
@@ -286,9 +287,9 @@ fn merge(c: &mut Criterion) {
                 for &n in &grid.sizes {
                     let mut cfg = MergerConfig::new(w, rule);
                     if rule == Rule::Quorum {
-                        cfg.replication_factors = Some(vec![1]);
+                        cfg.carriers.replication_factors = Some(vec![1]);
                     }
-                    let batches = step_batches(&cfg, n, kind, skew);
+                    let batches = step_batches(&cfg.carriers, n, kind, skew);
                     let mut m = Merger::new(cfg).unwrap();
                     sized(&mut g, w * n);
                     g.throughput(Throughput::Elements((w * n) as u64));
@@ -331,16 +332,17 @@ fn bench_steady(
     last: Last,
     rule: Rule,
 ) {
-    let cfg = MergerConfig {
-        replication_factors: (rule == Rule::Quorum).then(|| vec![1]),
-        ..MergerConfig::new(w, rule)
-    };
+    let mut cfg = MergerConfig::new(w, rule);
+    cfg.carriers.replication_factors = (rule == Rule::Quorum).then(|| vec![1]);
     // Per content (even and odd steps), each rank's batch as its worker sends it.
     let contents: Vec<Vec<Arc<Batch>>> = (0..2u64)
         .map(|k| {
             let p = payload(&events_from(k * 1_000_003, n, Hashes::Int));
             (0..w)
-                .map(|r| Arc::new(Batch::encode_for(&p, Some((&cfg, r))).expect("valid events")))
+                .map(|r| {
+                    let batch = Batch::encode_for(&p, Some((&cfg.carriers, r)));
+                    Arc::new(batch.expect("valid events"))
+                })
                 .collect()
         })
         .collect();

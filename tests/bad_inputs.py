@@ -136,7 +136,7 @@ def lean() -> EventBatch:
         rank=0,
         world_size=4,
     )
-    assert batch.elided > 0
+    assert batch.uncarried > 0
     return batch
 
 

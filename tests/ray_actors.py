@@ -306,27 +306,27 @@ class RankActor(ResponseQueue):
         }
 
     # --- one step --------------------------------------------------------
-    def _emit(self, lanes: Sequence[Any]) -> None:
-        for child, events in zip(self.children, lanes, strict=True):
+    def _emit(self, per_child: Sequence[Any]) -> None:
+        for child, events in zip(self.children, per_child, strict=True):
             if isinstance(events, tuple) and events and events[0] == "chain":
                 events = chain_events(*events[1:])
             child.emit(events)
 
-    def step(self, lanes: Sequence[Any], **fields: Any) -> Any:
+    def step(self, per_child: Sequence[Any], **fields: Any) -> Any:
         """Queue this step's events per child (a list, None, or
         ``("chain", n, start)``), return the step's ``ModelRunnerOutput``."""
         from vllm_harness import worker_output
 
-        self._emit(lanes)
+        self._emit(per_child)
         return worker_output(self.connector, **fields)
 
     # --- vLLM 0.33.0 RayExecutorV2's response queue -----------------------
-    def step_mq(self, lanes: Sequence[Any], **fields: Any) -> None:
+    def step_mq(self, per_child: Sequence[Any], **fields: Any) -> None:
         """Like ``step``, but the output goes back as vLLM's worker sends it:
         ``WorkerProc.enqueue_output`` on the response ``MessageQueue``."""
         from vllm.v1.executor.multiproc_executor import WorkerProc
 
-        WorkerProc.enqueue_output(self, self.step(lanes, **fields))  # type: ignore[arg-type]
+        WorkerProc.enqueue_output(self, self.step(per_child, **fields))  # type: ignore[arg-type]
 
     def close(self) -> None:
         self.close_response_mq()

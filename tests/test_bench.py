@@ -84,16 +84,16 @@ def test_knob_missing():
 def test_knob_late():
     w = Workload(WorkloadConfig(world_size=4, events=200, late=0.2))
     s0, s1 = w.next_step(), w.next_step()
-    lane0, lane1 = s0.events[0], s1.events[0]
-    assert min(len(r) for r in lane0) < 200  # some rank held events back
-    everywhere0 = set.intersection(*({ENC.encode(e) for e in r} for r in lane0))
-    late = {ENC.encode(e) for r in lane1 for e in r} & {
-        ENC.encode(e) for r in lane0 for e in r
+    step0, step1 = s0.events[0], s1.events[0]  # child 0 in steps 0 and 1
+    assert min(len(r) for r in step0) < 200  # some rank held events back
+    everywhere0 = set.intersection(*({ENC.encode(e) for e in r} for r in step0))
+    late = {ENC.encode(e) for r in step1 for e in r} & {
+        ENC.encode(e) for r in step0 for e in r
     }
     # Events of step 0 that show up in step 1, on one rank only.
     assert late and not late & everywhere0
     for key in late:
-        assert sum(key in {ENC.encode(e) for e in r} for r in lane1) == 1
+        assert sum(key in {ENC.encode(e) for e in r} for r in step1) == 1
 
 
 def test_knob_duplicate():
@@ -115,8 +115,8 @@ def test_knob_clears_only_where_the_container_can_carry_them():
     steps = list(Workload(cfg).steps(4))
     for step in steps:
         lmcache, mooncake, lst = step.events
-        for lane in (lmcache, mooncake):
-            assert not any(isinstance(e, AllBlocksCleared) for r in lane for e in r)
+        for child in (lmcache, mooncake):
+            assert not any(isinstance(e, AllBlocksCleared) for r in child for e in r)
         clears = [sum(isinstance(e, AllBlocksCleared) for e in r) for r in lst]
         assert clears == ([1, 1, 1] if step.index in (1, 3) else [0, 0, 0])
 

@@ -25,7 +25,7 @@ def big_event() -> BlockRemoved:
     """A 4 MiB removal that rank 0 carries in a world of 2 (rule "all")."""
     for value in range(2**64 - 1, 2**64 - 200, -1):
         ev = BlockRemoved(block_hashes=[value] * HASHES, medium=None)
-        if kvmerge.encode([ev], rank=1, world_size=2).elided == 1:
+        if kvmerge.encode([ev], rank=1, world_size=2).uncarried == 1:
             return ev
     raise AssertionError("no hash value with rank 0 as the carrier")
 
@@ -58,7 +58,7 @@ def test_the_reported_case_is_refused_at_add_with_nothing_changed(big):
     # the one-event carrier batch instead, which is the same batch.)
     one = kvmerge.encode([big], rank=1, world_size=2, rule="all")
     carrier = EventBatch.concat([one] * 1024)
-    assert carrier.elided == 1024 and carrier.nbytes < 42_000
+    assert carrier.uncarried == 1024 and carrier.nbytes < 42_000
     # Filling it from rank 0's batch would be a 4 GiB batch: refused too,
     # before anything is allocated (was a panic in the gather).
     with pytest.raises(ValueError, match="4 GiB"):

@@ -437,7 +437,7 @@ def assert_invalid_as_from_buffer(back, bad) -> None:
         lambda: len(back),
         lambda: bytes(back),
         lambda: back.nbytes,
-        lambda: back.elided,
+        lambda: back.uncarried,
         lambda: pickle.dumps(back, protocol=5),
     ]
     for use in uses:
@@ -626,7 +626,7 @@ class Spoof:
     """Looks like a batch, a buffer, an int and a sequence, and is none."""
 
     nbytes = 10**12
-    elided = -1
+    uncarried = -1
 
     def __index__(self):
         return 2**70
@@ -723,7 +723,7 @@ def _batch_calls(b):
         "len": lambda *a: len(b),
         "bytes": lambda *a: bytes(b),
         "repr": lambda *a: repr(b),
-        "attrs": lambda *a: (b.elided, b.nbytes, b.error),
+        "attrs": lambda *a: (b.uncarried, b.nbytes, b.error),
         "reduce": lambda *a: b.__reduce_ex__(*a),
         "pickle": lambda *a: pickle.loads(pickle.dumps(b, *a)),
         "memoryview": lambda *a: memoryview(b),

@@ -406,7 +406,7 @@ def test_each_event_travels_with_its_bytes_once_under_all(world_size, rule, even
         )
         for r in range(world_size)
     ]
-    assert sum(len(b) - b.elided for b in batches) == len(events)
+    assert sum(len(b) - b.uncarried for b in batches) == len(events)
     assert all(len(b) == len(events) for b in batches)
 
 
@@ -415,7 +415,7 @@ def test_wrongly_left_out_bytes_are_refused_and_change_nothing():
     # Encoded for a world of 4, merged in a world of 2: rank 0 leaves out some
     # events a world of 2 gives it to carry.
     lean = kvmerge.encode(events, rank=0, world_size=4)
-    assert lean.elided > 0
+    assert lean.uncarried > 0
     merger = kvmerge.Merger(2, "all")
     with pytest.raises(kvmerge.ConfigError, match="must carry"):
         merger.add(0, lean)

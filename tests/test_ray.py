@@ -83,7 +83,7 @@ CHILDREN = [
     child("ThirdPartyConnector", kv_events_merge="all"),
     child("ThirdPartyConnector", test_min_reports=2),
 ]
-#: The merged lanes' rules; the last lane is native (the child's container).
+#: The merged children's rules; the last child is native (its own container).
 RULES: list[tuple[str, list[int] | None]] = [
     ("all", None),
     ("quorum", FACTORS),
@@ -146,7 +146,7 @@ def _registered():
 
 # --- the script: what each rank's children emit --------------------------------
 def make_script(seed: int, steps: int) -> list[list[list[Any]]]:
-    """``script[step][rank][lane]``: events (or None) per child, random but
+    """``script[step][rank][child]``: events (or None) per child, random but
     shaped like real reports: stores in parent order, late and missing
     reports, duplicates, removals, a clear."""
     rng = random.Random(seed)
@@ -183,50 +183,50 @@ def make_script(seed: int, steps: int) -> list[list[list[Any]]]:
 
 
 def big_step() -> list[list[Any]]:
-    """Every rank stores the same long chain (LMCache lane), nothing else."""
+    """Every rank stores the same long chain (the LMCache child), nothing else."""
     chain = ("chain", BIG, BIG_START)
     return [[chain, [], [], [], []] for _ in range(TP)]
 
 
 class Expected:
-    """The reference merge of a script, lane by lane, step by step."""
+    """The reference merge of a script, child by child, step by step."""
 
     def __init__(self) -> None:
         self.refs = [ReferenceMerger(TP, rule, factors) for rule, factors in RULES]
 
-    def step(self, lanes_per_rank: list[list[Any]]) -> list[Any]:
+    def step(self, per_rank: list[list[Any]]) -> list[Any]:
         events: list[Any] = []
-        for lane, ref in enumerate(self.refs):
-            for rank, lanes in enumerate(lanes_per_rank):
-                ref.add(rank, handed_over(lane, resolve(lanes[lane])))
+        for i, ref in enumerate(self.refs):
+            for rank, per_child in enumerate(per_rank):
+                ref.add(rank, handed_over(i, resolve(per_child[i])))
             events.extend(ref.finish_step())
         # ThirdPartyConnector (native): the aggregated container holds every
         # worker's events in rank order (workers that returned None skipped);
         # its take_events publishes those reported at least twice, in
         # first-report order.
         counts: dict[Any, int] = {}
-        for lanes in lanes_per_rank:
-            for e in lanes[NATIVE] or []:
+        for per_child in per_rank:
+            for e in per_child[NATIVE] or []:
                 counts[e] = counts.get(e, 0) + 1
         events.extend(e for e, n in counts.items() if n >= 2)
         return events
 
 
-def handed_over(lane: int, events: list[Any] | None) -> list[Any]:
+def handed_over(index: int, events: list[Any] | None) -> list[Any]:
     """What the child's real container hands over (``get_all_events``): the
     upstream containers count (LMCache, Mooncake: duplicates grouped) or
     de-duplicate (UMBP) the events they are given."""
     if not events:
         return []
-    if lane == 0:
+    if index == 0:
         container: Any = LMCacheKVEvents(num_workers=1)
         container.add_events(events)
-    elif lane == 1:
+    elif index == 1:
         container = MooncakeStoreKVEvents(
             num_workers=1, group_tp_replication_factors=tuple(FACTORS)
         )
         container.add_events(events)
-    elif lane == 2:
+    elif index == 2:
         container = UMBPStoreKVEvents(events)
     else:
         return list(events)
@@ -245,7 +245,8 @@ def scheduler_side() -> tuple[Any, KVOutputAggregator]:
     return scheduler, KVOutputAggregator.from_connector(scheduler, TP)
 
 
-#: How a test gets the TP outputs of one step: (step, lanes per rank) -> outputs
+#: How a test gets the TP outputs of one step: (step, per rank the events per
+#: child) -> outputs
 #: in rank order (and, for ray.get, the object refs they came from).
 Collect = Callable[[int, list[list[Any]]], tuple[list[Any], list[Any]]]
 
@@ -258,7 +259,7 @@ def schedule(
     for rank, out in enumerate(outputs):
         container = out.kv_connector_output.kv_cache_events
         assert isinstance(container, KVMergeKVEvents)
-        assert [r.rank for r in container.reports] == [rank]
+        assert [o.rank for o in container.outputs] == [rank]
     out = aggregator.aggregate(outputs, output_rank=0)
     kv_out = out.kv_connector_output
     # Every rank finished req-{step}: the aggregator reports it once.
@@ -274,15 +275,15 @@ def run_script(collect: Collect, bus: Bus, seed: int, steps: int) -> None:
     scheduler, aggregator = scheduler_side()
     expected = Expected()
     published = 0
-    for step, lanes in enumerate(make_script(seed, steps)):
-        outputs, _refs = collect(step, lanes)
+    for step, per_rank in enumerate(make_script(seed, steps)):
+        outputs, _refs = collect(step, per_rank)
         got = bus.publish(schedule(scheduler, aggregator, outputs, step))
-        assert_same_events(got, expected.step(lanes))
+        assert_same_events(got, expected.step(per_rank))
         published += len(got)
     assert published > 0
     stats = scheduler.merge_stats()
     assert stats[:NATIVE] == [ref.stats.as_dict() for ref in expected.refs]
-    assert stats[NATIVE] is None  # the native lane has no merger
+    assert stats[NATIVE] is None  # the native child has no merger
 
 
 def run_big_step(
@@ -294,10 +295,10 @@ def run_big_step(
     publishes each store once, in chain order (the reference model's answer,
     which the model itself takes minutes to compute for this many events)."""
     scheduler, aggregator = scheduler_side()
-    lanes = big_step()
-    outputs, refs = collect(0, lanes)
+    per_rank = big_step()
+    outputs, refs = collect(0, per_rank)
     for out in outputs:
-        batch = out.kv_connector_output.kv_cache_events.reports[0].payloads[0]
+        batch = out.kv_connector_output.kv_cache_events.outputs[0].payloads[0]
         assert isinstance(batch, EventBatch) and len(batch) == BIG
         assert batch.nbytes > OOB_THRESHOLD  # out of band in the MessageQueue too
     if inspect is not None:  # before the aggregator adds to outputs[0]
@@ -317,9 +318,9 @@ def run_big_step(
 
 # --- through ray.get -------------------------------------------------------------
 def collect_ray_get(ranks: list[Any]) -> Collect:
-    def collect(step: int, lanes: list[list[Any]]) -> tuple[list[Any], list[Any]]:
+    def collect(step: int, per_rank: list[list[Any]]) -> tuple[list[Any], list[Any]]:
         refs = [
-            a.step.remote(lanes[rank], finished_sending={f"req-{step}"})
+            a.step.remote(per_rank[rank], finished_sending={f"req-{step}"})
             for rank, a in enumerate(ranks)
         ]
         return ray.get(refs, timeout=RAY_TIMEOUT), refs
@@ -338,12 +339,12 @@ def test_large_batches_travel_out_of_band_through_the_object_store(ranks, bus):
 def check_sizes(outputs: list[Any], refs: list[Any]) -> None:
     sizes = ray.experimental.get_object_locations(refs, timeout_ms=10_000)
     for ref, out in zip(refs, outputs, strict=True):
-        payloads = out.kv_connector_output.kv_cache_events.reports[0].payloads
+        payloads = out.kv_connector_output.kv_cache_events.outputs[0].payloads
         batch = payloads[0]
         # Ray serializes with cloudpickle, protocol 5, every PickleBuffer out
         # of band whatever its size; the same pickling here shows what Ray
-        # had to store: each distinct batch as one buffer (the empty lanes
-        # share one), and a small in-band pickle with no event in it.
+        # had to store: each distinct batch as one buffer (the empty children's
+        # batches share one), and a small in-band pickle with no event in it.
         oob: list[pickle.PickleBuffer] = []
         inband = pickle.dumps(out, protocol=5, buffer_callback=oob.append)
         batches = {id(p): p for p in payloads if isinstance(p, EventBatch)}
@@ -439,9 +440,11 @@ def test_merged_events_through_the_ray_executors_message_queue(ranks, bus, same_
             mq.wait_until_ready()
         ray.get(ready, timeout=RAY_TIMEOUT)
 
-        def collect(step: int, lanes: list[list[Any]]) -> tuple[list[Any], list[Any]]:
+        def collect(
+            step: int, per_rank: list[list[Any]]
+        ) -> tuple[list[Any], list[Any]]:
             sent = [
-                a.step_mq.remote(lanes[rank], finished_sending={f"req-{step}"})
+                a.step_mq.remote(per_rank[rank], finished_sending={f"req-{step}"})
                 for rank, a in enumerate(ranks)
             ]
             outputs = []

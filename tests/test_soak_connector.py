@@ -70,8 +70,8 @@ def test_the_connector_path_holds_its_memory():
                 events = [stored(h)] if rng.random() < 0.8 else [removed(h)]
                 if r == 1 and rng.random() < 0.1:
                     events = []  # a late or silent rank
-                for lane in (0, 1):
-                    c.emit(r, lane, events)
+                for i in (0, 1):
+                    c.emit(r, i, events)
                 outputs.append(shm_roundtrip(worker_output(c.workers[r]))[0])
             c.schedule(c.aggregator.aggregate(outputs, 0))
             c.scheduler.get_kv_connector_stats()

@@ -1,12 +1,12 @@
 """Nothing one worker sends makes the scheduler's step path raise.
 
 vLLM treats an exception in ``update_connector_output`` / ``take_events`` as
-fatal to the engine. Hypothesis builds reports as a damaged message or another
-kvmerge could deliver them (through ``_from_wire``, as unpickling does: any
-field of any type, damaged batches, foreign containers, odd settings) and
-hands them, beside a good report of the other rank, to the real scheduler
+fatal to the engine. Hypothesis builds worker outputs as a damaged message or
+another kvmerge could deliver them (through ``_from_wire``, as unpickling does:
+any field of any type, damaged batches, foreign containers, odd settings) and
+hands them, beside a good output of the other rank, to the real scheduler
 connector as vLLM's aggregator would. Nothing may raise, the good rank's
-events must still publish under rule "any", and every bad lane is counted.
+events must still publish under rule "any", and every bad batch is counted.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ payloads = st.one_of(
 factors = st.one_of(
     st.none(), st.tuples(st.integers(-2, 3)), st.lists(st.integers(0, 2)), anything
 )
-lane_tuples = st.integers(0, 3).flatmap(
+child_tuples = st.integers(0, 3).flatmap(
     lambda n: st.tuples(
         st.tuples(*[anything] * n),
         st.tuples(*[payloads] * n),
@@ -74,11 +74,11 @@ worker_settings = st.one_of(
         children=st.just(()),
     ),
 )
-reports = st.one_of(
+outputs = st.one_of(
     st.builds(
-        lambda rank, lanes, seq, s: _from_wire(rank, *lanes, seq, s),
+        lambda rank, children, seq, s: _from_wire(rank, *children, seq, s),
         st.one_of(st.just(1), anything),
-        st.one_of(lane_tuples, st.tuples(anything, anything, anything)),
+        st.one_of(child_tuples, st.tuples(anything, anything, anything)),
         st.one_of(st.integers(0, 5), anything),
         worker_settings,
     ),
@@ -99,34 +99,34 @@ def started_cluster(bus: Bus) -> Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(bus):
-    """One cluster for every Hypothesis example (a hostile report may leave
+    """One cluster for every Hypothesis example (a hostile output may leave
     rank 1 marked misconfigured: the property holds all the same)."""
     return started_cluster(bus)
 
 
 @pytest.fixture
 def fresh(bus):
-    """A cluster of its own, for tests that count what one report does."""
+    """A cluster of its own, for tests that count what one output does."""
     return started_cluster(bus)
 
 
 @settings(max_examples=300, deadline=None)
-@given(hostile=st.lists(reports, min_size=1, max_size=3))
-def test_no_report_makes_the_step_path_raise(cluster, hostile):
+@given(hostile=st.lists(outputs, min_size=1, max_size=3))
+def test_no_output_makes_the_step_path_raise(cluster, hostile):
     c = cluster
     c.emit(0, 0, [stored(9)])
     c.emit(0, 1, [])
     good = worker_output(c.workers[0]).kv_connector_output.kv_cache_events
-    container = KVMergeKVEvents([*good.reports, *hostile], num_workers=2)
-    refused_before = [lane.refused for lane in c.scheduler._lanes]
+    container = KVMergeKVEvents([*good.outputs, *hostile], num_workers=2)
+    refused_before = [child.refused for child in c.scheduler._children]
     c.scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=container))
     published = list(c.scheduler.take_events())
     # Rule "any": rank 0's store publishes whatever the other "rank" sent,
-    # unless one of them (a valid rank 1 report, say) carried it too.
+    # unless one of them (a valid rank 1 output, say) carried it too.
     assert any(b"\x09" in bytes(e) for e in published) or published == []
     assert all(
-        lane.refused >= before
-        for lane, before in zip(c.scheduler._lanes, refused_before, strict=True)
+        child.refused >= before
+        for child, before in zip(c.scheduler._children, refused_before, strict=True)
     )
     for t in c.children("scheduler"):
         t.received.clear()
@@ -134,19 +134,19 @@ def test_no_report_makes_the_step_path_raise(cluster, hostile):
 
 def test_a_foreign_container_is_refused_not_raised(fresh):
     cluster = fresh
-    before = cluster.scheduler._lanes[0].refused
+    before = cluster.scheduler._children[0].refused
     foreign = ListKVEvents([stored(3)])
     cluster.scheduler.update_connector_output(
         KVConnectorOutput(kv_cache_events=foreign)
     )
     assert list(cluster.scheduler.take_events()) == []
-    assert cluster.scheduler._lanes[0].refused == before + 1
+    assert cluster.scheduler._children[0].refused == before + 1
 
 
 @pytest.mark.parametrize(
-    ("bad", "lanes_refused"),
+    ("bad", "children_refused"),
     [
-        ("not a report", (1, 1)),
+        ("not an output", (1, 1)),
         (_from_wire("1", (None, None), (None, None), (None, None), 1, None), (1, 1)),
         (_from_wire(7, (None, None), (None, None), (None, None), 1, None), (1, 1)),
         (_from_wire(1, (None,), (None,), (None,), 1, None), (1, 1)),
@@ -155,26 +155,27 @@ def test_a_foreign_container_is_refused_not_raised(fresh):
         (_from_wire(1, (None, "lmcache"), (None, "b"), (None, None), 1, None), (0, 1)),
     ],
     ids=[
-        "not-a-report",
+        "not-an-output",
         "str-rank",
         "rank-7",
-        "one-lane",
+        "one-child",
         "str-payload",
         "bogus-kind",
-        "lane-1",
+        "child-1",
     ],
 )
-def test_known_bad_reports_are_each_counted_once_per_lane(fresh, bad, lanes_refused):
-    """The property above cannot pass by refusing nothing: these reports are
-    refused on exactly the lanes they spoil."""
+def test_known_bad_outputs_are_each_counted_once_per_child(
+    fresh, bad, children_refused
+):
+    """The property above cannot pass by refusing nothing: these outputs are
+    refused on exactly the children they spoil."""
     cluster = fresh
-    lanes = cluster.scheduler._lanes
-    before = [lane.refused for lane in lanes]
+    children = cluster.scheduler._children
+    before = [child.refused for child in children]
     container = KVMergeKVEvents([bad], num_workers=1)
     cluster.scheduler.update_connector_output(
         KVConnectorOutput(kv_cache_events=container)
     )
     list(cluster.scheduler.take_events())
-    assert tuple(lane.refused - b for lane, b in zip(lanes, before, strict=True)) == (
-        lanes_refused
-    )
+    refused = tuple(c.refused - b for c, b in zip(children, before, strict=True))
+    assert refused == children_refused

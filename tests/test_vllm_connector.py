@@ -30,7 +30,7 @@ from kvmerge.sim.model import connector_config, create_connector, worker_config
 from kvmerge.sim.transport import shm_roundtrip
 from kvmerge.testing.reference import ReferenceMerger, assert_same_events
 from kvmerge.vllm import KVMergeKVEvents, KVMergeMultiConnector, register
-from kvmerge.vllm.container import WorkerReports
+from kvmerge.vllm.container import WorkerOutputs
 from kvmerge.vllm.topology import aggregated_world_size, worker_rank
 
 pytestmark = pytest.mark.vllm
@@ -45,7 +45,7 @@ def _registered():
 
 
 def refused_step(c: Cluster, ranks: list[int]) -> str:
-    """One step in which exactly ``ranks``' reports of lane 0 are refused:
+    """One step in which exactly ``ranks``' batches of child 0 are refused:
     nothing raises or is published, each is counted, each rank logged once.
     Returns the warnings' text."""
     refusals = logging.getLogger("vllm.kvmerge.refusals")
@@ -53,12 +53,12 @@ def refused_step(c: Cluster, ranks: list[int]) -> str:
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     refusals.addHandler(handler)
-    before = c.scheduler._lanes[0].refused
+    before = c.scheduler._children[0].refused
     try:
         assert c.step() == []
     finally:
         refusals.removeHandler(handler)
-    assert c.scheduler._lanes[0].refused - before == len(ranks)
+    assert c.scheduler._children[0].refused - before == len(ranks)
     lines = [r.getMessage() for r in records if "dropped rank" in r.getMessage()]
     assert [
         int(line.split("dropped rank ")[1].split("'")[0]) for line in lines
@@ -97,7 +97,7 @@ def test_all_rule_counts_every_worker_of_the_config(bus, tp):
     container = out.kv_connector_output.kv_cache_events
     assert isinstance(container, KVMergeKVEvents)
     assert container.get_number_of_workers() == tp
-    assert [rep.rank for rep in container.reports] == list(range(tp))
+    assert [out.rank for out in container.outputs] == list(range(tp))
     assert bus.publish(c.schedule(out)) == [s1]
     # Step 1: only the late rank has something; the others return None.
     c.emit(last, 0, [s2])
@@ -133,18 +133,18 @@ def test_two_outputs_claiming_one_rank_keep_the_first_and_say_so(bus, caplog):
     with caplog.at_level(logging.WARNING):
         published = c.bus.publish(c.schedule(c.aggregator.aggregate(outputs, 0)))
     assert published == [s1]  # rank 0's second output (s2) was dropped
-    assert c.scheduler._lanes[0].refused == 1
+    assert c.scheduler._children[0].refused == 1
     (line,) = [
         r.getMessage() for r in caplog.records if "dropped rank" in r.getMessage()
     ]
     assert "rank 0" in line and "connectors[0] (LMCacheChild)" in line
-    assert "a second report claims rank 0" in line
+    assert "a second output claims rank 0" in line
 
 
 def test_vllms_salvaged_output_loses_its_events_and_the_gap_is_reported(bus, caplog):
     """vLLM's own salvage path (KVOutputAggregator.ft_defer_kv_connector_outputs,
     what the executor calls for a worker whose step failed) drops the step's
-    KV events: kvmerge sees the gap in that rank's reports, counts and logs
+    KV events: kvmerge sees the gap in that rank's outputs, counts and logs
     it; the other ranks' reports of the lost events expire."""
     c = Cluster([child("LMCacheChild")], bus, tp=2, max_pending_steps=2)
     s1, s2, s3 = stored(1), stored(2), stored(3)
@@ -166,9 +166,9 @@ def test_vllms_salvaged_output_loses_its_events_and_the_gap_is_reported(bus, cap
         assert c.step() == [s3]
         for _ in range(3):
             c.step()
-    assert c.scheduler.lost_reports == 1
+    assert c.scheduler.lost_outputs == 1
     assert any(
-        "rank 1's reports 1..1 never arrived" in r.getMessage() for r in caplog.records
+        "rank 1's outputs 1..1 never arrived" in r.getMessage() for r in caplog.records
     )
     stats = c.scheduler.merge_stats()[0]
     assert stats["expired"] == 1  # rank 0's s2: rank 1's report of it was lost
@@ -290,12 +290,12 @@ def test_any_rule_and_the_childs_own_scheduler_events(bus):
     assert c.step() == [s1]  # repetitions across steps are kept
 
 
-# --- lanes by position, native and silent children ------------------------------
-def test_lanes_by_position_with_native_and_silent_children(bus):
+# --- children by position, native and silent children ---------------------------
+def test_children_by_position_with_native_and_silent_children(bus):
     c = Cluster(
         [
             child("LMCacheChild"),
-            child("LMCacheChild"),  # same class: its own lane
+            child("LMCacheChild"),  # same class: a child of its own
             child("SilentChild"),
             child("ThirdPartyConnector", test_min_reports=2),  # native
         ],
@@ -315,8 +315,8 @@ def test_lanes_by_position_with_native_and_silent_children(bus):
     for r in range(2):
         assert c.children(r)[2].drained == 2  # drained every step
     sched = c.children("scheduler")
-    for lane in (0, 1, 2):
-        assert [x.kv_cache_events for x in sched[lane].received] == [None, None]
+    for i in (0, 1, 2):
+        assert [x.kv_cache_events for x in sched[i].received] == [None, None]
     native = sched[3].received
     assert [type(x.kv_cache_events) for x in native] == [ListKVEvents] * 2
     # Combined with the child's own methods: workers that returned None do not
@@ -392,9 +392,9 @@ def test_without_kv_events_children_are_drained_but_nothing_is_encoded(bus):
         c.emit(r, 0, [stored(1)])
         c.emit(r, 1, [stored(2)])
     out = c.aggregate()
-    reports = out.kv_connector_output.kv_cache_events.reports
-    assert [rep.payloads[0] for rep in reports] == [None, None]
-    assert all(isinstance(rep.payloads[1], ListKVEvents) for rep in reports)
+    worker_outputs = out.kv_connector_output.kv_cache_events.outputs
+    assert [wo.payloads[0] for wo in worker_outputs] == [None, None]
+    assert all(isinstance(wo.payloads[1], ListKVEvents) for wo in worker_outputs)
     # The native child still gets its container (its own bookkeeping).
     assert c.bus.publish(c.schedule(out)) == [stored(2)]
     assert all(w.sub_connectors[0].drained == 1 for w in c.workers)
@@ -429,36 +429,36 @@ def test_container_pickles_out_of_band_and_aggregates_without_decoding(
     assert len(buffers) == 1
     assert b"BlockStored" not in data and b"kv_events" not in data
     copy = pickle.loads(data, buffers=buffers)
-    sent, got = container.reports[0].payloads[0], copy.reports[0].payloads[0]
+    sent, got = container.outputs[0].payloads[0], copy.outputs[0].payloads[0]
     assert bytes(got) == bytes(sent)
     assert got.identities() == kvmerge.encode(events).identities()
     # Rule "all" in a world of 4: each event's bytes travel from one rank.
-    lanes = [
-        o.kv_connector_output.kv_cache_events.reports[0].payloads[0] for o in outputs
+    sent_batches = [
+        o.kv_connector_output.kv_cache_events.outputs[0].payloads[0] for o in outputs
     ]
-    assert sum(len(b) - b.elided for b in lanes) == len(events)
+    assert sum(len(b) - b.uncarried for b in sent_batches) == len(events)
     assert (
-        copy.reports[0].decode(
-            [o.kv_connector_output.kv_cache_events.reports[0] for o in outputs]
+        copy.outputs[0].decode(
+            [o.kv_connector_output.kv_cache_events.outputs[0] for o in outputs]
         )
         == events
     )
-    assert copy.reports[0].payloads[1] is None  # the silent child
+    assert copy.outputs[0].payloads[1] is None  # the silent child
 
     # Through the shm pickling and the aggregator, nothing gets decoded: the
     # batches the scheduler merges are the very objects that were unpickled.
     received = [shm_roundtrip(o)[0] for o in outputs]
     batches = [
-        o.kv_connector_output.kv_cache_events.reports[0].payloads[0] for o in received
+        o.kv_connector_output.kv_cache_events.outputs[0].payloads[0] for o in received
     ]
 
     def no_decoding(self):
-        raise AssertionError("worker reports were decoded")
+        raise AssertionError("worker outputs were decoded")
 
-    monkeypatch.setattr(WorkerReports, "_events", no_decoding)
+    monkeypatch.setattr(WorkerOutputs, "_events", no_decoding)
     out = c.aggregator.aggregate(received, output_rank=0)
     combined = out.kv_connector_output.kv_cache_events
-    merged = [rep.payloads[0] for rep in combined.reports]
+    merged = [wo.payloads[0] for wo in combined.outputs]
     assert len(merged) == len(batches)
     assert all(a is b for a, b in zip(merged, batches, strict=True))
     assert combined.get_number_of_workers() == 4
@@ -482,11 +482,11 @@ def test_container_interface(bus):
     assert a.aggregate() is a
     a.merge(b)
     a.increment_workers(1)
-    assert [r.rank for r in a.reports] == [0, 1] and a.get_number_of_workers() == 2
+    assert [o.rank for o in a.outputs] == [0, 1] and a.get_number_of_workers() == 2
     with pytest.raises(ValueError):
         a.increment_workers(0)
     a.clear_events()
-    assert a.reports == () and a.get_number_of_workers() == 1
+    assert a.outputs == () and a.get_number_of_workers() == 1
 
 
 # --- misconfiguration ---------------------------------------------------------------
@@ -688,8 +688,8 @@ def test_after_start_up_a_restarted_worker_with_other_settings_is_dropped_and_lo
     bus, caplog
 ):
     """Past the first step an error would be an outage: the odd worker's
-    reports are dropped, counted and logged with the rank and the setting;
-    the others' reports merge as the rules give without them."""
+    outputs are dropped, counted and logged with the rank and the setting;
+    the others' batches merge as the rules give without them."""
     c = Cluster([child("LMCacheChild", kv_events_merge="any")], bus, tp=2)
     s1, s2 = stored(1), stored(2)
     c.emit(0, 0, [s1])
@@ -703,13 +703,13 @@ def test_after_start_up_a_restarted_worker_with_other_settings_is_dropped_and_lo
     c.emit(0, 0, [s2])
     c.emit(1, 0, [s2])
     with caplog.at_level(logging.WARNING, logger="vllm.kvmerge"):
-        assert c.step() == [s2]  # rank 0's report ("any")
+        assert c.step() == [s2]  # rank 0's batch ("any")
         c.emit(1, 0, [stored(3)])
         assert c.step() == []  # still dropped: rank 1 is misconfigured
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "rank 1's settings differ from the scheduler's" in text
     assert "kv_events: worker False, scheduler True" in text
-    assert c.scheduler._lanes[0].refused == 2
+    assert c.scheduler._children[0].refused == 2
 
 
 # --- a damaged batch from one rank ------------------------------------------------
@@ -729,27 +729,27 @@ def damaged_roundtrip(obj, flip_at: int):
 
 
 @pytest.mark.parametrize("flip_at", [0, 5, 17, 40, 99, -1])
-def test_a_damaged_batch_drops_that_ranks_report_only(bus, flip_at):
+def test_a_damaged_batch_drops_that_ranks_batch_only(bus, flip_at):
     """Unpickling one rank's damaged batch does not raise (vLLM's dequeue runs
-    it); that rank's report of that child and step is dropped and counted,
-    and what is published equals the reference model without that report."""
+    it); that rank's batch of that child and step is dropped and counted,
+    and what is published equals the reference model without that batch."""
     tp, rule = 3, "any"
     c = Cluster([child("UMBPChild"), child("LMCacheChild")], bus, tp=tp)
     models = [ReferenceMerger(tp, rule), ReferenceMerger(tp, "all")]
     events = [[stored(10 * r + 1), stored(99)] for r in range(tp)]
     outputs = []
     for r in range(tp):
-        for lane in (0, 1):
-            c.emit(r, lane, events[r])
+        for i in (0, 1):
+            c.emit(r, i, events[r])
         out = worker_output(c.workers[r])
         outputs.append(
             damaged_roundtrip(out, flip_at) if r == 1 else shm_roundtrip(out)[0]
         )
-        # Rank 1's lane-0 batch is the damaged one (its first buffer).
+        # Rank 1's batch of child 0 is the damaged one (its first buffer).
         models[0].add(r, [] if r == 1 else events[r])
         models[1].add(r, events[r])
     published = c.bus.publish(c.schedule(c.aggregator.aggregate(outputs, 0)))
     expected = models[0].finish_step() + models[1].finish_step()
     assert_same_events(published, expected)
-    lanes = c.scheduler._lanes
-    assert (lanes[0].refused, lanes[1].refused) == (1, 0)
+    children = c.scheduler._children
+    assert (children[0].refused, children[1].refused) == (1, 0)

@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent(
 
     register()
     bus = Bus()
-    # The scheduler's lane logs its rule (INFO) when it is built.
+    # The scheduler's child logs its rule (INFO) when it is built.
     c = Cluster([child("LMCacheChild", kv_events_merge="all")], bus, tp=2)
     # Rank 1 sends no output: the worker-loss incident warning.
     c.emit(0, 0, [stored(1)])
@@ -271,34 +271,34 @@ def test_counters_reach_prometheus_and_the_logging_line(bus, model_config, caplo
         prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
         logging_logger.record(scheduler_stats=stats, iteration_stats=None)
 
-    # Step 0: both ranks report [1, 2] on lane 0 and [1] on lane 1.
+    # Step 0: both ranks report [1, 2] on child 0 and [1] on child 1.
     for r in (0, 1):
         c.emit(r, 0, [stored(1), stored(2, 1)])
         c.emit(r, 1, [stored(1)])
     run(0)
-    # Steps 1-2: rank 1 is gone; rank 0's reports of lane 0 wait, then expire.
+    # Steps 1-2: rank 1 is gone; rank 0's reports of child 0 wait, then expire.
     for step in (1, 2):
         c.emit(0, 0, [stored(10 + step)])
         run(step, ranks=[0])
 
     text = generate_latest(REGISTRY).decode()
-    lane0 = "connectors[0] (StatsChild)"
-    lane1 = "connectors[1] (LMCacheChild)"
+    child0 = "connectors[0] (StatsChild)"
+    child1 = "connectors[1] (LMCacheChild)"
     expected = {
-        lane0: {"reports": 6, "published": 2, "expired": 1, "cleared": 0},
-        lane1: {"reports": 2, "published": 1, "expired": 0, "cleared": 0},
+        child0: {"reports": 6, "published": 2, "expired": 1, "cleared": 0},
+        child1: {"reports": 2, "published": 1, "expired": 0, "cleared": 0},
     }
     merger_stats = c.scheduler.merge_stats()
-    for lane, want in expected.items():
-        index = 0 if lane == lane0 else 1
+    for label, want in expected.items():
+        index = 0 if label == child0 else 1
         for name, value in want.items():
-            assert merger_stats[index][name] == value, (lane, name)
-            assert sample(text, f"vllm:kvmerge_{name}_total", lane) == value
-        assert sample(text, "vllm:kvmerge_refused_total", lane) == 0
+            assert merger_stats[index][name] == value, (label, name)
+            assert sample(text, f"vllm:kvmerge_{name}_total", label) == value
+        assert sample(text, "vllm:kvmerge_refused_total", label) == 0
     # Rank 0's report of step 2 waits still; the gauge is the latest level.
-    assert sample(text, "vllm:kvmerge_pending", lane0) == merger_stats[0]["pending"]
+    assert sample(text, "vllm:kvmerge_pending", child0) == merger_stats[0]["pending"]
     assert merger_stats[0]["pending"] == 1
-    assert sample(text, "vllm:kvmerge_pending", lane1) == 0
+    assert sample(text, "vllm:kvmerge_pending", child1) == 0
     for name in METRIC_NAMES:
         kind = "counter" if name.endswith("_total") else "gauge"
         assert f"# TYPE {name} {kind}\n" in text, name
@@ -316,24 +316,24 @@ def test_counters_reach_prometheus_and_the_logging_line(bus, model_config, caplo
     ]
     assert "StatsChild={'loads': 4}" in line
     assert (
-        f"kvmerge={{'{lane0}': 'reports=6 published=2 expired=1 cleared=0 "
-        f"refused=0 pending=1', '{lane1}': 'reports=2 published=1 expired=0 "
+        f"kvmerge={{'{child0}': 'reports=6 published=2 expired=1 cleared=0 "
+        f"refused=0 pending=1', '{child1}': 'reports=2 published=1 expired=0 "
         "cleared=0 refused=0 pending=0'}"
     ) in line, line
 
 
-def test_refused_reports_are_counted(bus, model_config):
-    """The lane's ``refused`` counter reaches Prometheus (set by hand here: the
-    connector increments it where it drops a bad report)."""
+def test_refused_batches_are_counted(bus, model_config):
+    """The child's ``refused`` counter reaches Prometheus (set by hand here: the
+    connector increments it where it drops a bad batch)."""
     c = Cluster([child("LMCacheChild", kv_events_merge="all")], bus, tp=1)
     cfg = copy.copy(c.cfg)
     cfg.model_config = model_config
     prom = PrometheusStatLogger(cfg)
     c.emit(0, 0, [stored(1)])
     prom.record(scheduler_stats=engine_step(c), iteration_stats=None)
-    c.scheduler._lanes[0].refused = 3
+    c.scheduler._children[0].refused = 3
     prom.record(scheduler_stats=engine_step(c), iteration_stats=None)
-    c.scheduler._lanes[0].refused = 4
+    c.scheduler._children[0].refused = 4
     prom.record(scheduler_stats=engine_step(c), iteration_stats=None)
     text = generate_latest(REGISTRY).decode()
     label = "connectors[0] (LMCacheChild)"

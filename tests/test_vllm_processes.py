@@ -67,7 +67,7 @@ def test_workers_through_the_shm_message_queue():
                 # The big batch came out of band: a bytearray, borrowed as is.
                 batch = (
                     outputs[0]
-                    .kv_connector_output.kv_cache_events.reports[0]
+                    .kv_connector_output.kv_cache_events.outputs[0]
                     .payloads[0]
                 )
                 assert isinstance(batch, EventBatch)
@@ -81,9 +81,9 @@ def test_workers_through_the_shm_message_queue():
             assert published == script.expected(step), f"step {step}"
             if step == script.DAMAGED_STEP:
                 # Dequeued without raising; dropped by the connector, counted.
-                damaged = kv_out.kv_cache_events.reports[1].payloads[0]
+                damaged = kv_out.kv_cache_events.outputs[1].payloads[0]
                 assert damaged.error is not None
-                assert [lane.refused for lane in scheduler._lanes] == [1, 0, 0]
+                assert [child.refused for child in scheduler._children] == [1, 0, 0]
     finally:
         for pipe in pipes:
             pipe.send("done")

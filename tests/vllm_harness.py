@@ -204,8 +204,8 @@ class Cluster:
         )
         return conn.sub_connectors
 
-    def emit(self, rank: int, lane: int, events: Sequence[Any] | None) -> None:
-        self.workers[rank].sub_connectors[lane].emit(events)
+    def emit(self, rank: int, index: int, events: Sequence[Any] | None) -> None:
+        self.workers[rank].sub_connectors[index].emit(events)
 
     def aggregate(self, ranks: Sequence[int] | None = None, **fields: Any) -> Any:
         """Every worker's output for one step, through the shm pickling and the

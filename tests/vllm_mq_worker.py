@@ -41,7 +41,7 @@ def big_chain() -> list[Any]:
 
 
 def script(rank: int, step: int) -> list[list[Any] | None]:
-    """Per lane, what this rank's child emits in this step."""
+    """Per child, what this rank's child emits in this step."""
     chain = big_chain() if step in (0, 1) else []
     if step == 0:
         # Rank 1 reports the last store of the chain one step late.
@@ -74,8 +74,8 @@ class Damaged:
 
 
 def damage(output: Any) -> Any:
-    report = output.kv_connector_output.kv_cache_events.reports[0]
-    report.payloads = (Damaged(report.payloads[0]), *report.payloads[1:])
+    worker = output.kv_connector_output.kv_cache_events.outputs[0]
+    worker.payloads = (Damaged(worker.payloads[0]), *worker.payloads[1:])
     return output
 
 
@@ -87,8 +87,8 @@ def expected(step: int) -> list[Any]:
         return [chain[-1]]
     if step == 2:
         return [stored(10), stored(11, group=0), stored(12)]
-    # Rank 1's LMCache report was dropped: rule "all" waits for it; the other
-    # children's reports of this step, from both ranks, merge as usual.
+    # Rank 1's LMCache batch was dropped: rule "all" waits for it; the other
+    # children's batches of this step, from both ranks, merge as usual.
     return [stored(14, group=0), stored(15)]
 
 
@@ -114,8 +114,8 @@ def main(rank: int, port: int, pipe: Any) -> None:
     pipe.send(mq.export_handle())
     mq.wait_until_ready()
     for step in range(STEPS):
-        for lane, events in enumerate(script(rank, step)):
-            connector.sub_connectors[lane].emit(events)
+        for i, events in enumerate(script(rank, step)):
+            connector.sub_connectors[i].emit(events)
         output = worker_output(connector, finished_sending={f"req-{step}"})
         mq.enqueue(damage(output) if rank == 1 and step == DAMAGED_STEP else output)
     pipe.recv()  # keep the queue alive until the reader is done

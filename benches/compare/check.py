@@ -5,7 +5,7 @@ docs/merge-rules.md, shipped in the package): one ``ReferenceMerger`` per
 child, with the rule kvmerge gives that child (``"all"`` for LMCache,
 ``"quorum"`` with the container's replication factors for Mooncake, ``"all"``
 for the list child) and the connector's ``max_pending_steps``, fed each rank's
-report of the step (what the child's container returns from
+events of the step (what the child's container returns from
 ``get_all_events()``). Events are compared by their msgpack encoding (the
 model's identity, and exactly what a publisher sends): same events, same order.
 
@@ -21,10 +21,10 @@ from typing import Any
 
 import msgspec
 
+from kvmerge import DEFAULT_MAX_PENDING_STEPS, Rule
 from kvmerge.testing import reference
 
 from . import children as bench_children
-from .paths import MAX_PENDING_STEPS
 from .workload import Step
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -134,7 +134,7 @@ class ChildDiff:
             )
 
 
-def rule_of(kind: str) -> tuple[str, list[int] | None]:
+def rule_of(kind: str) -> tuple[Rule, list[int] | None]:
     rule = bench_children.KINDS[kind][1]
     factors = list(bench_children.MOONCAKE_FACTORS) if rule == "quorum" else None
     return rule, factors
@@ -154,16 +154,16 @@ class Checker:
             rule, factors = rule_of(kind)
             self.models.append(
                 reference.ReferenceMerger(
-                    self.world_size, rule, factors, MAX_PENDING_STEPS
+                    self.world_size, rule, factors, DEFAULT_MAX_PENDING_STEPS
                 )
             )
 
     def expected(self, step: Step) -> list[list[bytes]]:
         """The model's output for this step, per child."""
         out = []
-        for lane, (kind, model) in enumerate(zip(self.kinds, self.models, strict=True)):
+        for i, (kind, model) in enumerate(zip(self.kinds, self.models, strict=True)):
             for rank in range(self.world_size):
-                model.add(rank, bench_children.reported(kind, step.events[lane][rank]))
+                model.add(rank, bench_children.reported(kind, step.events[i][rank]))
             out.append([reference.identity(e) for e in model.finish_step()])
         return out
 
@@ -171,5 +171,5 @@ class Checker:
         self, path: str, step: int, want: list[list[bytes]], got: list[list[Any]]
     ) -> None:
         diffs = self.diffs.setdefault(path, [ChildDiff() for _ in self.kinds])
-        for lane, events in enumerate(got):
-            diffs[lane].compare(step, want[lane], [identity(e) for e in events])
+        for i, events in enumerate(got):
+            diffs[i].compare(step, want[i], [identity(e) for e in events])

@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector impor
     MooncakeStoreKVEvents,
 )
 
+from kvmerge import Rule
 from kvmerge.sim.children import (
     ListKVEvents,
     NoTransfer,
@@ -51,7 +52,7 @@ from kvmerge.sim.children import (
 MODULE = __name__
 
 #: child kind -> (connector class name in this module, rule kvmerge applies)
-KINDS: dict[str, tuple[str, str]] = {
+KINDS: dict[str, tuple[str, Rule]] = {
     "lmcache": ("BenchLMCacheConnector", "all"),
     "mooncake": ("BenchMooncakeConnector", "quorum"),
     "list": ("BenchListConnector", "all"),
@@ -82,10 +83,10 @@ class BenchLMCacheConnector(_Fed):
         return lmcache_container(self._take_fed())
 
     def update_connector_output(self, connector_output) -> None:
-        LMCacheConnectorV1.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+        LMCacheConnectorV1.update_connector_output(self, connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return LMCacheConnectorV1.take_events(self)  # type: ignore[arg-type]
+        return LMCacheConnectorV1.take_events(self)
 
 
 class BenchMooncakeConnector(_Fed):
@@ -97,10 +98,10 @@ class BenchMooncakeConnector(_Fed):
         return mooncake_container(self._take_fed(), MOONCAKE_FACTORS)
 
     def update_connector_output(self, connector_output) -> None:
-        MooncakeStoreConnector.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+        MooncakeStoreConnector.update_connector_output(self, connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return MooncakeStoreConnector.take_events(self)  # type: ignore[arg-type]
+        return MooncakeStoreConnector.take_events(self)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

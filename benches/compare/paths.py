@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+from kvmerge import DEFAULT_MAX_PENDING_STEPS
 from kvmerge.sim.model import (
     CONNECTOR,
     MODULE_PATH,
@@ -44,13 +45,12 @@ from kvmerge.sim.model import (
     worker_config,
 )
 from kvmerge.sim.transport import Wire, dequeue, enqueue
+from kvmerge.vllm.config import MAX_PENDING_KEY, OUTPUT_KEY
 
 from . import children as bench_children
 
 SCHEDULER = KVConnectorRole.SCHEDULER
 WORKER = KVConnectorRole.WORKER
-
-MAX_PENDING_STEPS = 32
 
 
 def bench_entry(kind: str) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def path_config(
     extra: dict[str, Any] = {}
     if connector == CONNECTOR:
         module_path = MODULE_PATH
-        extra = {"max_pending_steps": MAX_PENDING_STEPS, "kv_events_output": output}
+        extra = {MAX_PENDING_KEY: DEFAULT_MAX_PENDING_STEPS, OUTPUT_KEY: output}
     with _quiet():
         return connector_config(
             [bench_entry(k) for k in kinds],
@@ -122,8 +122,8 @@ class Path:
     def feed(self, events: Sequence[Sequence[Sequence[Any]]]) -> None:
         """Hand each rank's children their events for the next step."""
         for rank, worker in enumerate(self.workers):
-            for lane, child in enumerate(worker.sub_connectors):
-                child.feed(events[lane][rank])
+            for i, child in enumerate(worker.sub_connectors):
+                child.feed(events[i][rank])
 
     def worker(self, rank: int) -> Wire:
         raise NotImplementedError
@@ -165,9 +165,9 @@ class PathA(Path):
     def scheduler(self, wires: Sequence[Wire]) -> list[list[Any]]:
         received = [dequeue(w) for w in wires]
         result = []
-        for lane, child in enumerate(self.children):
-            output = self.aggregators[lane].aggregate(
-                [r[lane] for r in received], output_rank=0
+        for i, child in enumerate(self.children):
+            output = self.aggregators[i].aggregate(
+                [r[i] for r in received], output_rank=0
             )
             kv_out = output.kv_connector_output if output is not None else None
             if kv_out:
@@ -214,9 +214,9 @@ class PathB(Path):
         stats = self.connector.merge_stats()
         out: list[list[Any]] = []
         at = 0
-        for lane, s in enumerate(stats):
+        for i, s in enumerate(stats):
             published = s["published"] if s is not None else 0
-            n, self._published[lane] = published - self._published[lane], published
+            n, self._published[i] = published - self._published[i], published
             out.append(result[at : at + n])
             at += n
         if at != len(result):

@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 
 import kvmerge
-from kvmerge import EventBatch
+from kvmerge import DEFAULT_MAX_PENDING_STEPS, EventBatch, Rule
 from kvmerge.sim.transport import dequeue, enqueue
 
 from .paths import _wrap
@@ -79,7 +79,7 @@ def profile_case(
     # one batch), the merge with raw output, the merge with object output.
     merger_sets = [
         [
-            kvmerge.Merger(world_size, rule, factors, 32)  # type: ignore[arg-type]
+            kvmerge.Merger(world_size, rule, factors, DEFAULT_MAX_PENDING_STEPS)
             for rule, factors in (_rule(k) for k in cfg.children)
         ]
         for _ in range(3)
@@ -136,8 +136,8 @@ def profile_case(
                     enc.encode(e)
                 t4 = _clock()
                 # The connector's whole call, on the same events again.
-                for lane, child in enumerate(worker.sub_connectors):
-                    child.feed(step.events[lane][rank])
+                for index, child in enumerate(worker.sub_connectors):
+                    child.feed(step.events[index][rank])
                 t5 = _clock()
                 container = worker.get_kv_connector_kv_cache_events()
                 t6 = _clock()
@@ -160,9 +160,9 @@ def profile_case(
             t1 = _clock()
             fa = _faults() - f0
             acc = defaultdict(float)
-            for lane, child in enumerate(a.children):
+            for index, child in enumerate(a.children):
                 u0 = _clock()
-                out = a.aggregators[lane].aggregate([r[lane] for r in received], 0)
+                out = a.aggregators[index].aggregate([r[index] for r in received], 0)
                 u1 = _clock()
                 kv_out = out.kv_connector_output if out is not None else None
                 if kv_out:
@@ -195,24 +195,28 @@ def profile_case(
             t4 = _clock()
             # Replays, untimed above: validation, merge, output.
             assert kv_out is not None
-            reports = sorted(kv_out.kv_cache_events.reports, key=lambda r: r.rank)
-            raw = [bytes(p) for r in reports for p in r.payloads if p is not None]
+            worker_outputs = sorted(
+                kv_out.kv_cache_events.outputs, key=lambda o: o.rank
+            )
+            raw = [
+                bytes(p) for o in worker_outputs for p in o.payloads if p is not None
+            ]
             v0 = _clock()
             for buf in raw:
                 EventBatch.from_buffer(buf)
             v1 = _clock()
             merge_s = raw_s = objects_s = 0.0
-            for lane in range(len(cfg.children)):
+            for index in range(len(cfg.children)):
                 pairs = [
                     (
-                        r.rank,
-                        r.payloads[lane]
-                        if r.payloads[lane] is not None
+                        o.rank,
+                        o.payloads[index]
+                        if o.payloads[index] is not None
                         else EventBatch.empty(),
                     )
-                    for r in reports
+                    for o in worker_outputs
                 ]
-                alone, raw_m, obj_m = (ms[lane] for ms in merger_sets)
+                alone, raw_m, obj_m = (ms[index] for ms in merger_sets)
                 m0 = _clock()
                 alone.add_all(pairs)
                 alone.finish_step_batch()
@@ -259,7 +263,7 @@ def profile_case(
     }
 
 
-def _rule(kind: str) -> tuple[str, list[int] | None]:
+def _rule(kind: str) -> tuple[Rule, list[int] | None]:
     from .check import rule_of
 
     return rule_of(kind)

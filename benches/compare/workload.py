@@ -37,6 +37,8 @@ from typing import Any
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from kvmerge import DEFAULT_MAX_PENDING_STEPS
+
 #: Children whose container can carry ``AllBlocksCleared``.
 CLEARABLE = frozenset({"list"})
 #: Medium each child reports.
@@ -237,8 +239,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 #: Unmeasured steps a workload needs first: "silent" is measured with a full
-#: window of pending reports (the connector's max_pending_steps of 32).
-MIN_WARMUP: dict[str, int] = {"silent": 34}
+#: window of pending reports (the connector's max_pending_steps, the default).
+MIN_WARMUP: dict[str, int] = {"silent": DEFAULT_MAX_PENDING_STEPS + 2}
 
 
 def preset(name: str, **sizes: Any) -> WorkloadConfig:

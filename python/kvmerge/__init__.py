@@ -6,6 +6,7 @@ the `KVMergeMultiConnector` that wires both into vLLM.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Final, Literal, TypeAlias, get_args
 
 from kvmerge._kvmerge import (
     CapacityError,
@@ -25,6 +26,8 @@ from kvmerge._kvmerge import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_PENDING_STEPS",
+    "RULES",
     "CapacityError",
     "ConfigError",
     "CorruptBatchError",
@@ -36,10 +39,19 @@ __all__ = [
     "Merger",
     "MergerStats",
     "RankError",
+    "Rule",
     "__version__",
     "borrow_buffers",
     "encode",
 ]
+
+#: A rule a ``Merger`` applies (docs/merge-rules.md; the stubs' ``_Rule``).
+Rule: TypeAlias = Literal["all", "quorum", "any"]
+#: Every rule, in the order the docs give them.
+RULES: Final[tuple[Rule, ...]] = get_args(Rule)
+#: ``Merger``'s default ``max_pending_steps`` (the Rust core's), for the layers
+#: that pass a setting on to it.
+DEFAULT_MAX_PENDING_STEPS: Final[int] = Merger(1).max_pending_steps
 
 
 @contextmanager

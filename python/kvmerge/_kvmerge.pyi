@@ -47,11 +47,12 @@ class GroupError(KVMergeError, ValueError):
     """A `BlockStored.group_idx` without a replication factor (rule "quorum")."""
 
 class IncompleteBatchError(KVMergeError, ValueError):
-    """A batch whose events' bytes other ranks carry in part: merge it, not read."""
+    """A batch that does not carry all of its events' bytes (other ranks carry
+    them): it can be merged, not read."""
 
 class CapacityError(KVMergeError, ValueError):
-    """A report the merger cannot take: with it, one step's merged output could
-    exceed a batch's 4 GiB limit (`Merger.add`; drop the report)."""
+    """A batch the merger cannot take: with it, one step's merged output could
+    exceed a batch's 4 GiB limit (`Merger.add`; drop the batch)."""
 
 @final
 class EventBatch:
@@ -88,24 +89,29 @@ class EventBatch:
         """Each event's msgpack encoding, ready for a msgspec encoder."""
 
     def filled(self, sources: Sequence[EventBatch]) -> EventBatch:
-        """This batch with its left-out bytes taken from `sources`, by identity."""
+        """This batch with the bytes it does not carry taken from `sources` (other
+        ranks' batches of the same step and child), by identity."""
 
     def kinds(self) -> list[str]:
-        """Each event's class name, without decoding."""
+        """Each event's class name ("BlockStored", "BlockRemoved" or
+        "AllBlocksCleared"), without decoding."""
 
     def take(self, indices: Sequence[int]) -> EventBatch:
-        """A new batch of the events at `indices`, in that order."""
+        """A new batch of the events at `indices`, in that order, without decoding."""
 
     @staticmethod
     def concat(batches: Sequence[EventBatch]) -> EventBatch:
-        """One batch of all the events of `batches`, in order, without decoding."""
+        """One batch of all the events of `batches`, in order, without decoding:
+        e.g. a rank's salvaged earlier output followed by its current one, to add
+        as that rank's single batch of the step."""
 
     def identities(self) -> list[bytes]:
         """Each event's 16-byte identity."""
 
     @property
-    def elided(self) -> int:
-        """How many events' bytes this batch left to other ranks."""
+    def uncarried(self) -> int:
+        """How many events' bytes this batch does not carry (other ranks carry
+        them: `encode` with a rank): such a batch can be merged, not read."""
 
     @property
     def nbytes(self) -> int: ...
@@ -149,10 +155,10 @@ class Merger:
         """The number of the step now being collected."""
 
     def add(self, rank: int, batch: EventBatch) -> None:
-        """Add `rank`'s report of this step. Raises (the merger unchanged)
+        """Add `rank`'s batch of this step. Raises (the merger unchanged)
         `CorruptBatchError` for an invalid batch (`EventBatch.error`),
-        `RankError`, `GroupError`, `ConfigError` (bytes left out that this rank
-        must carry), or `CapacityError` when the pending reports would carry
+        `RankError`, `GroupError`, `ConfigError` (bytes this rank must carry and
+        does not), or `CapacityError` when the pending reports would carry
         more bytes than one step's output can hold (4 GiB)."""
 
     def add_all(self, reports: Sequence[tuple[int, EventBatch]]) -> None:
@@ -182,6 +188,6 @@ def encode(
     tagged as its vLLM base) travel verbatim and take part in the identity.
 
     With `rank` and `world_size` (and the merger's `rule` and
-    `replication_factors`), the bytes of the events other ranks are bound to
-    carry are left out; every event's record stays.
+    `replication_factors`), the batch does not carry the bytes of the events
+    other ranks are bound to carry; every event's record stays.
     """

@@ -38,9 +38,9 @@ ExternalBlockHash: TypeAlias = bytes | int
 
 class EventBatch(
     msgspec.Struct,
-    array_like=True,  # type: ignore[call-arg]
-    omit_defaults=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
+    array_like=True,
+    omit_defaults=True,
+    gc=False,
 ):
     ts: float
     events: list[Any]
@@ -49,8 +49,8 @@ class EventBatch(
 
 class KVCacheEvent(
     msgspec.Struct,
-    omit_defaults=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
+    omit_defaults=True,
+    gc=False,
     tag=True,
 ):
     """Base class for all KV cache-related events."""

@@ -65,7 +65,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvmerge.vllm.rules import MERGE_KEY
+from kvmerge import Rule
+from kvmerge.vllm.config import MERGE_KEY, ChildRule
 
 from . import FAMILIES
 from .model import child_entry
@@ -342,10 +343,10 @@ class SimLMCache(SimChild):
         return lmcache_container(events)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        LMCacheConnectorV1.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+        LMCacheConnectorV1.update_connector_output(self, connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return LMCacheConnectorV1.take_events(self)  # type: ignore[arg-type]
+        return LMCacheConnectorV1.take_events(self)
 
 
 #: The Mooncake child's group 0 replication factor, when the world allows it.
@@ -380,10 +381,10 @@ class SimMooncake(SimChild):
         return mooncake_container(events, mooncake_factors(world_size))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        MooncakeStoreConnector.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+        MooncakeStoreConnector.update_connector_output(self, connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return MooncakeStoreConnector.take_events(self)  # type: ignore[arg-type]
+        return MooncakeStoreConnector.take_events(self)
 
 
 class SimUMBP(SimChild):
@@ -406,7 +407,7 @@ class SimUMBP(SimChild):
         UMBPStoreConnector.update_connector_output(self, connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return UMBPStoreConnector.take_events(self)  # type: ignore[arg-type]
+        return UMBPStoreConnector.take_events(self)
 
 
 def events(
@@ -449,7 +450,7 @@ class Family:
     (blocks: the families differ in size, so their tiers differ in content)."""
 
     cls: type[SimChild]
-    rule: str
+    rule: Rule
     faults: Mapping[str, bool]
     capacity: int
 
@@ -471,7 +472,7 @@ def entry(
     capacity: int | None = None,
     seed: int = 0,
     faults: bool = True,
-    rule: str | None = None,
+    rule: ChildRule | None = None,
 ) -> dict[str, Any]:
     """A ``connectors`` entry for the simulated child of ``family``; ``rule``
     overrides kvmerge's (``"native"``: vLLM's own path)."""

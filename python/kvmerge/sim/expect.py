@@ -21,8 +21,9 @@ from typing import Any
 
 import msgspec
 
+from kvmerge import DEFAULT_MAX_PENDING_STEPS, Rule
 from kvmerge.testing.reference import ReferenceMerger
-from kvmerge.vllm.rules import DEFAULT_MAX_PENDING_STEPS, MAX_PENDING_KEY, MERGE_KEY
+from kvmerge.vllm.config import MAX_PENDING_KEY, MERGE_KEY, is_merged
 
 from . import children
 from .children import (
@@ -44,13 +45,13 @@ class _Child:
     merger: ReferenceMerger
 
 
-def _rule(entry: Mapping[str, Any], cls: type[SimChild]) -> str:
+def _rule(entry: Mapping[str, Any], cls: type[SimChild]) -> Rule:
     """kvmerge's rule for the child: its override, or its container's (also
     for a child set to vLLM's own path: what kvmerge would publish)."""
     extra = entry.get("kv_connector_extra_config") or {}
     override = extra.get(MERGE_KEY)
-    if override is not None and override != "native":
-        return str(override)
+    if is_merged(override):
+        return override
     return next(f.rule for f in FAMILY.values() if f.cls is cls)
 
 

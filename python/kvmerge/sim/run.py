@@ -22,7 +22,8 @@ from typing import Any
 import msgspec
 from vllm.distributed.kv_events import MEDIUM_GPU
 
-from kvmerge.vllm.rules import DEFAULT_MAX_PENDING_STEPS, MAX_PENDING_KEY
+from kvmerge import DEFAULT_MAX_PENDING_STEPS
+from kvmerge.vllm.config import MAX_PENDING_KEY, ChildRule
 
 from . import FAMILIES
 from .expect import Expected, ParentCheck, same_events
@@ -45,7 +46,7 @@ class Options:
     #: Blocks each child's tier holds (None: each family's own default).
     capacity: int | None = None
     #: None: kvmerge's rule per child; "native": vLLM's own path.
-    rule: str | None = None
+    rule: ChildRule | None = None
     processes: bool = True
     start_method: str = "fork"
     topic: str = "kv-events"
@@ -369,9 +370,10 @@ def compare(opts: Options, routers: Sequence[Any] = ()) -> tuple[Result, Result]
     path (every child ``"native"``), workers in this process, stepped in turn,
     the first of each step alternating (so that the machine's load weighs on
     both alike); ``routers``: none, or one started indexer for each."""
+    rules: tuple[ChildRule | None, ...] = (None, "native")
     both = [
         Run(replace(opts, rule=rule, processes=False, interval=0.0), router=router)
-        for rule, router in zip((None, "native"), routers or (None, None), strict=True)
+        for rule, router in zip(rules, routers or (None, None), strict=True)
     ]
     try:
         for r in both:

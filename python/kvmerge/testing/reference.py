@@ -20,9 +20,15 @@ from typing import Any
 import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from kvmerge import ConfigError, GroupError, RankError
+from kvmerge import (
+    DEFAULT_MAX_PENDING_STEPS,
+    RULES,
+    ConfigError,
+    GroupError,
+    RankError,
+    Rule,
+)
 
-RULES = ("all", "quorum", "any")
 COUNTERS = (
     "steps",
     "batches",
@@ -77,9 +83,9 @@ class Stats:
 @dataclass
 class ReferenceMerger:
     world_size: int
-    rule: str = "all"
+    rule: Rule = "all"
     replication_factors: Sequence[int] | None = None
-    max_pending_steps: int = 32
+    max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS
     step: int = 0
     stats: Stats = field(default_factory=Stats)
     # This step's batches, by rank (a rank absent here added nothing).

@@ -18,24 +18,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .alias import CONNECTOR_NAME
 from .log import get_logger
 
 if TYPE_CHECKING:
     from .connector import KVMergeMultiConnector
     from .connector import KVMergeMultiConnector as MultiConnector
-    from .container import KVMergeKVEvents, WorkerReport, WorkerReports
+    from .container import KVMergeKVEvents, WorkerOutput, WorkerOutputs
 
 __all__ = [
     "CONNECTOR_NAME",
     "KVMergeKVEvents",
     "KVMergeMultiConnector",
     "MultiConnector",
-    "WorkerReport",
-    "WorkerReports",
+    "WorkerOutput",
+    "WorkerOutputs",
     "register",
 ]
-
-CONNECTOR_NAME = "KVMergeMultiConnector"
 
 logger = get_logger(__name__)
 
@@ -45,8 +44,8 @@ _LAZY = {
     # What vLLM loads for kv_connector "MultiConnector" with this module path.
     "MultiConnector": ("connector", CONNECTOR_NAME),
     "KVMergeKVEvents": ("container", "KVMergeKVEvents"),
-    "WorkerReport": ("container", "WorkerReport"),
-    "WorkerReports": ("container", "WorkerReports"),
+    "WorkerOutput": ("container", "WorkerOutput"),
+    "WorkerOutputs": ("container", "WorkerOutputs"),
 }
 
 

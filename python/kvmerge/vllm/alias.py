@@ -27,11 +27,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
-from . import CONNECTOR_NAME
 from .log import get_logger
 
 logger = get_logger(__name__)
 
+#: kvmerge's own connector name (``kvmerge.vllm.CONNECTOR_NAME``).
+CONNECTOR_NAME: Final = "KVMergeMultiConnector"
 UPSTREAM_NAME: Final = "MultiConnector"
 #: This package, whose ``MultiConnector`` is ``KVMergeMultiConnector``.
 MODULE_PATH: Final = __name__.rpartition(".")[0]

@@ -5,14 +5,15 @@ Only the event path differs from upstream:
 
 * worker side, ``get_kv_connector_kv_cache_events``: every step, every child
   is drained (children that return None too) and one ``KVMergeKVEvents`` is
-  returned, always, holding this worker's rank and one lane per child (by
-  position): the child's events encoded with ``kvmerge.encode`` for this
-  rank (every event's record, the bytes only of the events this rank carries
-  under the lane's rule: docs/merge-rules.md, "Whose bytes travel"), or for
-  native lanes the child's own container;
-* scheduler side, ``update_connector_output``: the lanes of all workers' reports
-  go to one ``kvmerge.Merger`` per merged child (world size from the vLLM
-  config), native lanes are recombined with the child's own methods; every
+  returned, always, holding this worker's rank and, per child (by position),
+  the child's events encoded with ``kvmerge.encode`` for this rank (one
+  batch: every event's record, the bytes only of the events this rank
+  carries under the child's rule: docs/merge-rules.md, "Whose bytes
+  travel"), or for a native child the child's own container;
+* scheduler side, ``update_connector_output``: each merged child's batches of
+  all workers' outputs go to the child's ``kvmerge.Merger`` (world size from
+  the vLLM config), native children's containers are recombined with the
+  child's own methods; every
   child then gets its ``update_connector_output`` with its own worker metadata
   and only its own (native) container;
 * ``take_events``: per child, in config order, the merged events, then
@@ -38,15 +39,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 )
 
 import kvmerge
-from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError
+from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError, Rule
 
 from .alias import MODULE_PATH, UPSTREAM_NAME
-from .container import KVMergeKVEvents, WorkerReport
-from .incidents import Incidents
-from .log import get_logger
-from .native import combine_native
-from .refusals import Refusals
-from .rules import (
+from .config import (
     FACTORS_KEY,
     KIND_MOONCAKE,
     KIND_NATIVE,
@@ -54,12 +50,20 @@ from .rules import (
     KIND_REFUSED,
     MERGE_KEY,
     ChildSpec,
+    Kind,
+    Mode,
     MultiSpec,
+    Output,
     container_factors,
     container_kind,
     is_merged,
     parse_multi,
 )
+from .container import KVMergeKVEvents, WorkerOutput
+from .incidents import Incidents
+from .log import get_logger
+from .native import combine_native
+from .refusals import Refusals
 from .settings import differences, settings_of
 from .stats import StatsTracker, WithKVMergePromMetrics, build_stats, with_merge_stats
 from .topology import aggregated_world_size, worker_rank
@@ -119,15 +123,16 @@ def _shallow_copy(obj: Any) -> Any:
     state = getattr(obj, "__dict__", None) if plain else None
     if state is None:
         return copy.copy(obj)
-    child = object.__new__(cls)
-    child.__dict__.update(state)
-    return child
+    copied = object.__new__(cls)
+    copied.__dict__.update(state)
+    return copied
 
 
-class _Lane:
+class _Child:
     """Scheduler-side state of one child."""
 
-    #: Worker reports of this child dropped as bad (read by the stats).
+    #: This child's batches dropped as bad, and its steps whose merged events
+    #: were lost (read by the stats).
     refused: int = 0
 
     def __init__(
@@ -136,19 +141,20 @@ class _Lane:
         connector: Any,
         world_size: int,
         max_pending_steps: int,
-        output: str,
+        output: Output,
     ) -> None:
         self.spec = spec
         self.connector = connector
         self.world_size = world_size
         self.max_pending_steps = max_pending_steps
         self.objects = output == "objects"
-        #: "merge" or "native" once known (configured, or from the first
-        #: container a worker reported).
-        self.mode: str | None = None
-        #: The first container kind seen (auto lanes must stay consistent).
-        self.kind: str | None = None
-        self.rule: str | None = None
+        #: Merged or native once known (configured, or from the first
+        #: container a worker sent).
+        self.mode: Mode | None = None
+        #: The first container kind seen (a child whose rule is inferred must
+        #: stay consistent).
+        self.kind: Kind | None = None
+        self.rule: Rule | None = None
         self.factors: tuple[int, ...] | None = None
         self.factors_source = ""
         self.merger: kvmerge.Merger | None = None
@@ -162,12 +168,13 @@ class _Lane:
             "invalidate_kv_events",
             None,
         )
-        if spec.rule == "native":
+        rule = spec.rule
+        if rule == "native":
             self.mode = "native"
-        elif spec.rule is not None:
+        elif is_merged(rule):
             self.mode = "merge"
-            if spec.rule != "quorum" or spec.factors is not None:
-                self._make_merger(spec.rule, spec.factors, FACTORS_KEY)
+            if rule != "quorum" or spec.factors is not None:
+                self._make_merger(rule, spec.factors, FACTORS_KEY)
 
     @property
     def label(self) -> str:
@@ -179,12 +186,12 @@ class _Lane:
         return f"{MERGE_KEY} (inferred {self.rule!r} from a {self.kind} container)"
 
     def _make_merger(
-        self, rule: str, factors: tuple[int, ...] | None, source: str
+        self, rule: Rule, factors: tuple[int, ...] | None, source: str
     ) -> None:
         try:
             self.merger = kvmerge.Merger(
                 self.world_size,
-                rule,  # type: ignore[arg-type]
+                rule,
                 list(factors) if factors is not None else None,
                 self.max_pending_steps,
             )
@@ -205,11 +212,10 @@ class _Lane:
             self.max_pending_steps,
         )
 
-    def _resolve(self, entry: tuple[int, str | None, Any, Any]) -> str | None:
-        """Fix the lane's mode, kind and merger from a rank's container; or
-        say why this rank's container cannot join this lane."""
-        _rank, kind, _payload, reported = entry
-        assert kind is not None
+    def _resolve(self, kind: Kind, reported: tuple[int, ...] | None) -> str | None:
+        """Fix this child's mode, kind and merger from a rank's container of
+        ``kind`` (with the replication factors it ``reported``); or say why
+        this rank's container cannot join this child."""
         if self.kind is None:
             self.kind = kind
         elif kind != self.kind:
@@ -222,14 +228,21 @@ class _Lane:
         elif (kind == KIND_NATIVE) != (self.mode == "native"):
             # The worker decided otherwise than this side's configuration.
             return (
-                f"a {kind} lane, but the scheduler's {MERGE_KEY} setting is "
-                f"{self.spec.rule!r}: workers and scheduler must share the same "
-                "kv_transfer_config"
+                f"a {kind} {'container' if kind == KIND_NATIVE else 'batch'}, but "
+                f"the scheduler's {MERGE_KEY} setting is {self.spec.rule!r}: "
+                "workers and scheduler must share the same kv_transfer_config"
             )
         if self.mode != "merge":
             return None
         if self.merger is None:
             rule = self.spec.rule_for(kind)
+            if not is_merged(rule):
+                # An encoded container of a kind this side passes through.
+                return (
+                    f"a {kind} batch, but the scheduler infers {MERGE_KEY}="
+                    f"{rule!r} for a {kind} container: workers and scheduler must "
+                    "share the same kv_transfer_config"
+                )
             factors, source = self.spec.factors, FACTORS_KEY
             if rule == "quorum" and factors is None:
                 factors, source = reported, f"the {kind} container"
@@ -256,37 +269,36 @@ class _Lane:
         return None
 
     def _known_factors(self, factors: Any) -> bool:
-        """``factors`` (not None) are the ones this lane merges with, as
-        positive ints: what ``lane_problem`` and ``_resolve`` would accept
+        """``factors`` (not None) are the ones this child merges with, as
+        positive ints: what ``child_problem`` and ``_resolve`` would accept
         without a look at anything else."""
         if type(factors) is not tuple or factors != self.factors:
             return False
         # (True,) == (1,): equal is not enough.
         return all(type(f) is int for f in factors)
 
-    def step(
-        self, lane: int, reports: Sequence[WorkerReport], refusals: Refusals
-    ) -> Any:
-        """One aggregated step of lane ``lane`` of the (checked, rank-ordered)
-        reports; returns this child's native container, if any.
+    def step(self, outputs: Sequence[WorkerOutput], refusals: Refusals) -> Any:
+        """One aggregated step of this child, from the (checked, rank-ordered)
+        worker outputs; returns this child's native container, if any.
 
-        A rank's report that cannot be merged (of another kind than this
-        child's, a bad batch, a group without a factor, a batch that left out
-        bytes it must carry) is dropped and counted (``refused``); the other
-        ranks' reports merge as if it had not been sent.
+        A rank's batch that cannot be merged (of another kind than this
+        child's, a bad batch, a group without a factor, a batch that does not
+        carry bytes it must carry) is dropped and counted (``refused``); the
+        other ranks' batches merge as if it had not been sent.
 
-        Once the lane's mode, kind and merger are fixed, a lane of that kind
-        carrying a valid batch (and no factors, or the lane's own) is taken as
-        it is: everything ``lane_problem`` and ``_resolve`` check holds for it.
+        Once this child's mode, kind and merger are fixed, a valid batch of
+        that kind (with no factors, or this child's own) is taken as it is:
+        everything ``child_problem`` and ``_resolve`` check holds for it.
         """
+        index = self.spec.index
         empty = _empty_batch()
         merging = self.mode == "merge" and self.merger is not None
         known = self.kind
         batches: list[tuple[int, Any]] = []
         present: list[Any] = []
-        for report in reports:
-            kind = report.kinds[lane]
-            payload = report.payloads[lane]
+        for output in outputs:
+            kind = output.kinds[index]
+            payload = output.payloads[index]
             if (
                 merging
                 and type(payload) is EventBatch
@@ -294,33 +306,33 @@ class _Lane:
                 and kind == known
                 and payload.error is None
             ):
-                factors = report.factors[lane]
+                factors = output.factors[index]
                 if factors is None or self._known_factors(factors):
-                    batches.append((report.rank, payload))
+                    batches.append((output.rank, payload))
                     continue
             elif kind is None and payload is None:
-                batches.append((report.rank, empty))
+                batches.append((output.rank, empty))
                 continue
-            why = report.lane_problem(lane)
+            why = output.child_problem(index)
             if why is None and kind is not None:
-                why = self._resolve((report.rank, kind, payload, report.factors[lane]))
+                why = self._resolve(kind=kind, reported=output.factors[index])
                 merging = self.mode == "merge" and self.merger is not None
                 known = self.kind
             if why is not None:
-                refusals.refuse(self, report.rank, why)
-                batches.append((report.rank, empty))
+                refusals.refuse(self, output.rank, why)
+                batches.append((output.rank, empty))
             elif kind is None:
-                batches.append((report.rank, empty))
+                batches.append((output.rank, empty))
             else:
                 present.append(payload)
-                batches.append((report.rank, payload))
+                batches.append((output.rank, payload))
         if self.mode == "native":
             return combine_native(self.spec.label, present)
         merger = self.merger
-        if merger is None:  # nothing reported by this child yet
+        if merger is None:  # nothing sent by this child yet
             return None
         try:
-            # All ranks of the step or none: a rejected report leaves the
+            # All ranks of the step or none: a rejected batch leaves the
             # merger as it was, and the ranks are then added one by one.
             merger.add_all(batches)
         except KVMergeError:
@@ -408,16 +420,16 @@ class KVMergeMultiConnector(MultiConnector):
         self._spec = spec
         events_config = vllm_config.kv_events_config
         # Without KV events nothing is published: children are still drained
-        # every step, but their events are not encoded (native lanes still
-        # carry their containers, for the children's own bookkeeping).
+        # every step, but their events are not encoded (native children still
+        # send their containers, for the children's own bookkeeping).
         self._events_enabled = bool(
             events_config is not None and events_config.enable_kv_cache_events
         )
         self._world_size = aggregated_world_size(vllm_config)
         self._rank: int | None = None
-        #: Worker side: how many reports this worker has made.
+        #: Worker side: how many outputs this worker has made.
         self._seq = 0
-        self._lanes: list[_Lane] = []
+        self._children: list[_Child] = []
         if role == KVConnectorRole.SCHEDULER:
             # What every worker should believe (rank aside): WorkerSettings.
             self._settings = settings_of(
@@ -426,23 +438,23 @@ class KVMergeMultiConnector(MultiConnector):
             self._refusals = Refusals()
             self._misconfigured: set[int] = set()
             self._last_seq: dict[int, int] = {}
-            #: Worker reports that never arrived (a gap in a rank's seq).
-            self.lost_reports = 0
+            #: Worker outputs that never arrived (a gap in a rank's seq).
+            self.lost_outputs = 0
             # Quiet for a whole pending window: nothing of the incident is left.
             self._incidents = Incidents(self._world_size, spec.max_pending_steps + 1)
             self._steps = 0
             #: The mergers' expired counters after the last step (None: to
             #: be summed again, after reset_cache).
             self._expired_total: int | None = None
-            self._lanes = [
-                _Lane(
-                    child,
+            self._children = [
+                _Child(
+                    child_spec,
                     connector,
                     self._world_size,
                     spec.max_pending_steps,
                     spec.output,
                 )
-                for child, connector in zip(
+                for child_spec, connector in zip(
                     spec.children, self._connectors, strict=True
                 )
             ]
@@ -465,10 +477,10 @@ class KVMergeMultiConnector(MultiConnector):
 
     def get_kv_connector_kv_cache_events(self) -> KVMergeKVEvents:
         n = len(self._connectors)
-        kinds: list[str | None] = [None] * n
+        kinds: list[Kind | None] = [None] * n
         payloads: list[Any] = [None] * n
         factors: list[tuple[int, ...] | None] = [None] * n
-        for i, (child, connector) in enumerate(
+        for i, (spec, connector) in enumerate(
             zip(self._spec.children, self._connectors, strict=True)
         ):
             # Every child, every step: a child that returns None is drained too.
@@ -476,7 +488,7 @@ class KVMergeMultiConnector(MultiConnector):
             if container is None:
                 continue
             kind = container_kind(container)
-            encode = child.encodes
+            encode = spec.encodes
             if encode is None:
                 encode = kind != KIND_OTHER
             if not encode:
@@ -489,7 +501,7 @@ class KVMergeMultiConnector(MultiConnector):
             events = container.get_all_events()
             try:
                 payloads[i] = (
-                    self._encode(events, child, kind, factors[i])
+                    self._encode(events, spec, kind, factors[i])
                     if events
                     else _empty_batch()
                 )
@@ -502,7 +514,7 @@ class KVMergeMultiConnector(MultiConnector):
                 )
                 logger.error(
                     "KVMergeMultiConnector %s: rank %d: %s",
-                    child.label,
+                    spec.label,
                     self.worker_rank,
                     why,
                 )
@@ -511,7 +523,7 @@ class KVMergeMultiConnector(MultiConnector):
             kinds[i] = kind
         seq = self._seq
         self._seq += 1
-        report = WorkerReport(
+        output = WorkerOutput(
             self.worker_rank,
             tuple(kinds),
             tuple(payloads),
@@ -525,22 +537,22 @@ class KVMergeMultiConnector(MultiConnector):
                 else None
             ),
         )
-        return KVMergeKVEvents.for_worker(report)
+        return KVMergeKVEvents.for_worker(output)
 
     def _encode(
         self,
         events: list[Any],
-        child: ChildSpec,
-        kind: str,
+        spec: ChildSpec,
+        kind: Kind,
         reported: tuple[int, ...] | None,
     ) -> EventBatch:
         """This rank's batch of a child's events: every event's record, and
         the bytes only of the events this rank carries under the rule the
         scheduler's merger applies (``kvmerge.encode`` with a rank)."""
-        rule = child.rule_for(kind)
-        factors = child.factors if child.factors is not None else reported
+        rule = spec.rule_for(kind)
+        factors = spec.factors if spec.factors is not None else reported
         if not is_merged(rule) or (rule == "quorum" and not factors):
-            # No merger can take this lane (the scheduler says why): keep it all.
+            # No merger can take this batch (the scheduler says why): keep it all.
             return kvmerge.encode(events)
         return kvmerge.encode(
             events,
@@ -561,23 +573,23 @@ class KVMergeMultiConnector(MultiConnector):
     def merge_stats(self) -> list[dict[str, int] | None]:
         """Per child (config order): its merger's counters, None if it has none."""
         return [
-            lane.merger.stats().as_dict() if lane.merger is not None else None
-            for lane in self._lanes
+            child.merger.stats().as_dict() if child.merger is not None else None
+            for child in self._children
         ]
 
-    def _merge_step(self, reports: Sequence[WorkerReport]) -> list[Any]:
-        by_rank: dict[int, WorkerReport] = {}
-        n = len(self._lanes)
-        world = self._world_size
+    def _merge_step(self, outputs: Sequence[WorkerOutput]) -> list[Any]:
+        by_rank: dict[int, WorkerOutput] = {}
+        n = len(self._children)
         last_seq = self._last_seq
         misconfigured = self._misconfigured
-        for report in reports:
-            # The common case, checked at once: a well-formed report, no
-            # settings, the next of a known rank's (what _report_problem
-            # would accept without a word).
-            if type(report) is WorkerReport and report.settings is None:
-                rank, seq = report.rank, report.seq
-                kinds, payloads, factors = report.kinds, report.payloads, report.factors
+        for output in outputs:
+            # The common case, checked at once: a well-formed output, no
+            # settings, the next of a known rank's (what _output_problem
+            # would accept without a word; a rank in last_seq is one it
+            # found in the world).
+            if type(output) is WorkerOutput and output.settings is None:
+                rank, seq = output.rank, output.seq
+                kinds, payloads, factors = output.kinds, output.payloads, output.factors
                 if (
                     type(rank) is int
                     and type(seq) is int
@@ -585,54 +597,53 @@ class KVMergeMultiConnector(MultiConnector):
                     and type(payloads) is tuple
                     and type(factors) is tuple
                     and len(kinds) == len(payloads) == len(factors) == n
-                    and 0 <= rank < world
                     and rank not in by_rank
                     and rank not in misconfigured
                     and last_seq.get(rank) == seq - 1
                 ):
                     last_seq[rank] = seq
-                    by_rank[rank] = report
+                    by_rank[rank] = output
                     continue
-            why = self._report_problem(report, by_rank)
+            why = self._output_problem(output, by_rank)
             if why is not None:
-                who = getattr(report, "rank", "?")
-                self._refusals.refuse_report(self._lanes, who, why)
+                who = getattr(output, "rank", "?")
+                self._refusals.refuse_output(self._children, who, why)
                 continue
-            by_rank[report.rank] = report
+            by_rank[output.rank] = output
         ordered = [by_rank[rank] for rank in sorted(by_rank)]
         expired_before = self._expired_total
         if expired_before is None:
             expired_before = self._expired()
         refusals = self._refusals
-        native = [lane.step(i, ordered, refusals) for i, lane in enumerate(self._lanes)]
+        native = [child.step(ordered, refusals) for child in self._children]
         refusals.end_step()
         expired = self._expired_total = self._expired()
         self._incidents.observe(self._steps, set(by_rank), expired - expired_before)
         self._steps += 1
         return native
 
-    def _report_problem(self, report: Any, seen: dict[int, WorkerReport]) -> str | None:
-        """Why a worker's report cannot be merged at all, or None.
+    def _output_problem(self, output: Any, seen: dict[int, WorkerOutput]) -> str | None:
+        """Why a worker's output cannot be merged at all, or None.
 
         A worker whose settings differ from the scheduler's fails the engine on
         the first step (start-up: misconfiguration should stop it, loudly);
-        from then on its reports are dropped and logged, as any bad report.
+        from then on its outputs are dropped and logged, as any bad output.
         """
-        if type(report) is not WorkerReport and not isinstance(report, WorkerReport):
-            return f"not a WorkerReport but {type(report).__name__}"
-        why = report.problem()
+        if type(output) is not WorkerOutput and not isinstance(output, WorkerOutput):
+            return f"not a WorkerOutput but {type(output).__name__}"
+        why = output.problem()
         if why is not None:
             return why
-        rank = report.rank
+        rank = output.rank
         if not 0 <= rank < self._world_size:
             return f"rank {rank} is outside the aggregated world of {self._world_size}"
         if rank in seen:
             return (
-                f"a second report claims rank {rank} in one step (two workers "
+                f"a second output claims rank {rank} in one step (two workers "
                 "with one rank? vLLM's salvaged outputs carry no KV events)"
             )
-        if report.settings is not None:
-            differ = differences(self._settings, report.settings, rank)
+        if output.settings is not None:
+            differ = differences(self._settings, output.settings, rank)
             if differ:
                 message = (
                     f"KVMergeMultiConnector: rank {rank}'s settings differ from "
@@ -640,50 +651,53 @@ class KVMergeMultiConnector(MultiConnector):
                 )
                 if self._steps == 0:
                     raise ConfigError(message)
-                logger.error("%s: its reports are dropped", message)
+                logger.error("%s: its outputs are dropped", message)
                 self._misconfigured.add(rank)
                 return "; ".join(differ)
             self._misconfigured.discard(rank)
         if rank in self._misconfigured:
             return "its settings differ from the scheduler's (logged at its start)"
-        if len(report.kinds) != len(self._lanes):
+        if len(output.kinds) != len(self._children):
             return (
-                f"{report.num_lanes} lanes for {len(self._lanes)} connectors: "
-                "workers and scheduler must share the same kv_transfer_config"
+                f"{output.num_children} children for {len(self._children)} "
+                "connectors: workers and scheduler must share the same "
+                "kv_transfer_config"
             )
         last = self._last_seq.get(rank)
-        if last is not None and report.seq > last + 1:
+        if last is not None and output.seq > last + 1:
             logger.warning(
-                "KVMergeMultiConnector: step %d: rank %d's reports %d..%d never "
+                "KVMergeMultiConnector: step %d: rank %d's outputs %d..%d never "
                 "arrived (vLLM drops the KV events of an output it salvages from "
                 "a failed step); their events are lost, and the other ranks' "
                 "reports of them will expire",
                 self._steps,
                 rank,
                 last + 1,
-                report.seq - 1,
+                output.seq - 1,
             )
-            self.lost_reports += report.seq - last - 1
-        self._last_seq[rank] = report.seq
+            self.lost_outputs += output.seq - last - 1
+        self._last_seq[rank] = output.seq
         return None
 
     def _expired(self) -> int:
-        return sum(lane.merger.stats().expired for lane in self._lanes if lane.merger)
+        return sum(
+            child.merger.stats().expired for child in self._children if child.merger
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._role != KVConnectorRole.SCHEDULER:
             # Nothing to merge outside the scheduler: upstream's behaviour.
             super().update_connector_output(connector_output)
             return
-        n = len(self._lanes)
+        n = len(self._children)
         events = connector_output.kv_cache_events
         native: list[KVConnectorKVEvents | None] = [None] * n
         if isinstance(events, KVMergeKVEvents):
-            native = self._merge_step(events.reports)
+            native = self._merge_step(events.outputs)
         elif events is not None:
             # Some other connector's container: no worker of ours made it.
-            self._refusals.refuse_report(
-                self._lanes,
+            self._refusals.refuse_output(
+                self._children,
                 "?",
                 f"the aggregated events are a {type(events).__name__}, not the "
                 "workers' KVMergeKVEvents",
@@ -695,31 +709,31 @@ class KVMergeMultiConnector(MultiConnector):
                 "KVMergeMultiConnector: expected MultiKVConnectorWorkerMetadata, "
                 f"got {type(meta).__name__}"
             )
-        for i, lane in enumerate(self._lanes):
+        for i, child in enumerate(self._children):
             # A copy per child: the caller's output stays as it was.
             child_output = _shallow_copy(connector_output)
             child_output.kv_cache_events = native[i]
             child_output.kv_connector_worker_meta = (
                 meta.metadata[i] if meta is not None else None
             )
-            lane.connector.update_connector_output(child_output)
+            child.connector.update_connector_output(child_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events: list[Any] = []
-        for lane in self._lanes:
-            if lane.out:
-                events.extend(lane.out)
-                lane.out = []
-            events.extend(lane.connector.take_events())
+        for child in self._children:
+            if child.out:
+                events.extend(child.out)
+                child.out = []
+            events.extend(child.connector.take_events())
         return events
 
     def reset_cache(self) -> bool:
         try:
             return super().reset_cache()
         finally:
-            for lane in self._lanes:
-                lane.reset()
-            if self._lanes:
+            for child in self._children:
+                child.reset()
+            if self._children:
                 self._expired_total = None
                 self._incidents.close(self._steps, "closed by reset_cache()")
 
@@ -729,13 +743,13 @@ class KVMergeMultiConnector(MultiConnector):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The children's stats as ``MultiConnector`` returns them; on the
         scheduler side, with kvmerge's counters since the previous call."""
-        children = super().get_kv_connector_stats()
-        if not self._lanes:
-            return children
+        children_stats = super().get_kv_connector_stats()
+        if not self._children:
+            return children_stats
         tracker = self.__dict__.get("_stats_tracker")
         if tracker is None:
             tracker = self._stats_tracker = StatsTracker()
-        return with_merge_stats(children, tracker.collect(self._lanes))
+        return with_merge_stats(children_stats, tracker.collect(self._children))
 
     @classmethod
     def build_kv_connector_stats(

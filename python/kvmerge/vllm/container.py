@@ -7,19 +7,19 @@ its usual calls::
     acc.add_events(other.get_all_events())
     acc.increment_workers(1)
 
-``get_all_events()`` returns a ``WorkerReports``: a lazy, read-only sequence
-that carries the workers' reports (rank + one encoded batch per lane) and only
-decodes events if somebody iterates or indexes it. ``add_events`` recognises it
-and takes the reports over as they are, so no event object is built between a
-worker's ``kvmerge.encode`` and the scheduler's merge.
+``get_all_events()`` returns a ``WorkerOutputs``: a lazy, read-only sequence
+that carries the workers' outputs (rank + one encoded batch per child) and
+only decodes events if somebody iterates or indexes it. ``add_events``
+recognises it and takes the outputs over as they are, so no event object is
+built between a worker's ``kvmerge.encode`` and the scheduler's merge.
 
 Pickling (the executor's shm ``MessageQueue`` pickles with the highest protocol
 and a ``buffer_callback``) keeps the ``EventBatch`` objects as they are: each
 reduces to a protocol-5 ``PickleBuffer`` of its wire bytes, which travels out
 of band when large. On receipt a batch is rebuilt unchecked by raising nothing
 (``EventBatch._from_pickle``: a damaged one remembers why in ``.error``), and
-reports likewise (``_from_wire``): unpickling runs inside vLLM's message queue,
-where an exception is fatal, and the scheduler side drops just that report.
+outputs likewise (``_from_wire``): unpickling runs inside vLLM's message queue,
+where an exception is fatal, and the scheduler side drops just that output.
 """
 
 from __future__ import annotations
@@ -32,25 +32,26 @@ from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from kvmerge import EventBatch
 
-from .rules import ENCODED_KINDS, KIND_NATIVE, KIND_REFUSED
+from .config import ENCODED_KINDS, KIND_NATIVE, KIND_REFUSED, Kind
 from .settings import WorkerSettings
 
 #: ``EventBatch``'s pickle reconstructor (never raises; not in the stubs).
 _batch_from_pickle = EventBatch._from_pickle  # type: ignore[attr-defined]
 
-#: One lane's payload: an encoded batch, the child's own container, or None
-#: when the child returned None this step.
-Payload: TypeAlias = "EventBatch | KVConnectorKVEvents | None"
+#: What a worker sends for one child: its encoded batch, its own container
+#: (a native child), why the worker could not encode its events (kind
+#: ``KIND_REFUSED``), or None when the child returned None this step.
+Payload: TypeAlias = "EventBatch | KVConnectorKVEvents | str | None"
 
 
-class WorkerReport:
-    """One worker's contribution to one step.
+class WorkerOutput:
+    """What one worker sends for one step.
 
-    ``kinds[i]`` is the kind of child ``i``'s container (see ``rules``), or None
-    when child ``i`` returned None; ``payloads[i]`` its encoded batch or, for
-    native lanes, its own container (for a ``KIND_REFUSED`` lane, why the
+    ``kinds[i]`` is the kind of child ``i``'s container (see ``config``), or
+    None when child ``i`` returned None; ``payloads[i]`` its encoded batch or,
+    for a native child, its own container (for kind ``KIND_REFUSED``, why the
     worker could not encode it); ``factors[i]`` the replication factors a
-    Mooncake store container carried. ``seq`` counts the worker's reports (0
+    Mooncake store container carried. ``seq`` counts the worker's outputs (0
     for the first of its process, which also carries its ``settings``).
     """
 
@@ -59,14 +60,16 @@ class WorkerReport:
     def __init__(
         self,
         rank: int,
-        kinds: tuple[str | None, ...],
+        kinds: tuple[Kind | None, ...],
         payloads: tuple[Payload, ...],
         factors: tuple[tuple[int, ...] | None, ...],
         seq: int = 0,
         settings: WorkerSettings | None = None,
     ) -> None:
         if not (len(kinds) == len(payloads) == len(factors)):
-            raise ValueError("kinds, payloads and factors must have one entry per lane")
+            raise ValueError(
+                "kinds, payloads and factors must have one entry per child"
+            )
         self.rank = rank
         self.kinds = kinds
         self.payloads = payloads
@@ -75,10 +78,10 @@ class WorkerReport:
         self.settings = settings
 
     def problem(self) -> str | None:
-        """Why the scheduler cannot use this report at all, or None.
+        """Why the scheduler cannot use this output at all, or None.
 
-        Reports arrive unchecked (unpickling never raises, see ``_from_wire``):
-        this is where a report another kvmerge, or a damaged message, made is
+        Outputs arrive unchecked (unpickling never raises, see ``_from_wire``):
+        this is where an output another kvmerge, or a damaged message, made is
         caught, before any of it is merged.
         """
         if type(self.rank) is not int or type(self.seq) is not int:
@@ -92,22 +95,23 @@ class WorkerReport:
             return "kinds, payloads and factors have different lengths"
         return None
 
-    def lane_problem(self, lane: int) -> str | None:
-        """Why lane ``lane`` of this report cannot be merged, or None."""
-        kind, payload = self.kinds[lane], self.payloads[lane]
-        factors = self.factors[lane]
+    def child_problem(self, index: int) -> str | None:
+        """Why what this output holds for child ``index`` cannot be merged, or
+        None."""
+        kind, payload = self.kinds[index], self.payloads[index]
+        factors = self.factors[index]
         if kind is None:
             return None if payload is None else "a payload without a kind"
         if type(kind) is not str:
-            return f"a lane kind of type {type(kind).__name__}"
+            return f"a container kind of type {type(kind).__name__}"
         if kind == KIND_REFUSED:
             return f"the worker could not encode it: {str(payload)[:500]}"
         if kind == KIND_NATIVE:
             if isinstance(payload, KVConnectorKVEvents):
                 return None
-            return f"a native lane carries {type(payload).__name__}"
+            return f"a native child's container is a {type(payload).__name__}"
         if kind not in ENCODED_KINDS:
-            return f"an unknown lane kind {kind[:50]!r}"
+            return f"an unknown container kind {kind[:50]!r}"
         if factors is not None and not (
             type(factors) is tuple
             and factors
@@ -115,37 +119,40 @@ class WorkerReport:
         ):
             return f"replication factors {str(factors)[:100]} are not positive ints"
         if not isinstance(payload, EventBatch):
-            return f"a {kind} lane carries {type(payload).__name__}, not EventBatch"
+            return f"a {kind} batch is a {type(payload).__name__}, not an EventBatch"
         return payload.error
 
     @property
-    def num_lanes(self) -> int:
+    def num_children(self) -> int:
         return len(self.kinds)
 
-    def decode(self, peers: Sequence[WorkerReport] = ()) -> list[KVCacheEvent]:
-        """Every lane's events as objects, in lane order (not on the hot path).
+    def decode(self, peers: Sequence[WorkerOutput] = ()) -> list[KVCacheEvent]:
+        """Every child's events as objects, in child order (not on the hot
+        path).
 
-        A batch that left bytes to other ranks gets them from ``peers`` (the
-        other workers' reports of the same step); ``IncompleteBatchError`` if
-        none of them carries an event's bytes.
+        A batch that does not carry all its events' bytes gets them from
+        ``peers`` (the other workers' outputs of the same step);
+        ``IncompleteBatchError`` if none of them carries an event's bytes.
         """
         events: list[KVCacheEvent] = []
-        for lane, (kind, payload) in enumerate(
+        for i, (kind, payload) in enumerate(
             zip(self.kinds, self.payloads, strict=True)
         ):
             if payload is None:
                 continue
             if kind == KIND_NATIVE:
-                events.extend(payload.get_all_events())  # type: ignore[union-attr]
+                assert isinstance(payload, KVConnectorKVEvents)
+                events.extend(payload.get_all_events())
                 continue
             assert isinstance(payload, EventBatch)
-            if payload.elided:
+            if payload.uncarried:
                 sources = [
-                    p.payloads[lane]
+                    batch
                     for p in peers
-                    if lane < p.num_lanes and isinstance(p.payloads[lane], EventBatch)
+                    if i < p.num_children
+                    and isinstance(batch := p.payloads[i], EventBatch)
                 ]
-                payload = payload.filled(sources)  # type: ignore[arg-type]
+                payload = payload.filled(sources)
             events.extend(payload.decode())
         return events
 
@@ -154,15 +161,15 @@ class WorkerReport:
 
     def _wire(self) -> tuple[Any, ...]:
         """The fields as pickled: each encoded batch as the ``PickleBuffer``
-        of its bytes, and the lanes that hold one last, for ``_from_wire``
-        to rebuild them (``EventBatch._from_pickle``). A batch met before in
-        this report travels once: later lanes hold the index of the first
-        (an out-of-band ``PickleBuffer`` is not memoized). One
+        of its bytes, and the indices of the children that hold one last, for
+        ``_from_wire`` to rebuild them (``EventBatch._from_pickle``). A batch
+        met before in this output travels once: later children hold the index
+        of the first (an out-of-band ``PickleBuffer`` is not memoized). One
         reconstructor per message, not one per batch: each global an
         unpickler finds costs an import lookup, which at decode-size steps
-        was most of a report's cost."""
+        was most of an output's cost."""
         payloads = self.payloads
-        lanes = []
+        batches = []
         first: dict[int, int] = {}
         wire: list[Any] = list(payloads)
         for i, payload in enumerate(payloads):
@@ -173,76 +180,76 @@ class WorkerReport:
                     wire[i] = PickleBuffer(payload)  # type: ignore[arg-type]
                 else:
                     wire[i] = at
-                lanes.append(i)
+                batches.append(i)
         return (
             self.rank,
             self.kinds,
-            tuple(wire) if lanes else payloads,
+            tuple(wire) if batches else payloads,
             self.factors,
             self.seq,
             self.settings,
-            tuple(lanes),
+            tuple(batches),
         )
 
     def __repr__(self) -> str:
-        lanes = ", ".join(
+        children = ", ".join(
             "None"
             if p is None
             else (f"{k}:{len(p)}" if isinstance(p, EventBatch) else f"{k}:{p!r}")
             for k, p in zip(self.kinds, self.payloads, strict=True)
         )
-        return f"<WorkerReport rank={self.rank} lanes=[{lanes}]>"
+        return f"<WorkerOutput rank={self.rank} children=[{children}]>"
 
 
-def _from_wire(*fields: Any) -> WorkerReport:
-    """A report as pickled, unchecked: unpickling runs inside vLLM's message
-    queue, where an exception is fatal to the engine; ``WorkerReport.problem``
-    checks it where one worker's report can be dropped.
+def _from_wire(*fields: Any) -> WorkerOutput:
+    """An output as pickled, unchecked: unpickling runs inside vLLM's message
+    queue, where an exception is fatal to the engine; ``WorkerOutput.problem``
+    checks it where one worker's output can be dropped.
 
-    A seventh field names the lanes whose payloads are a batch's bytes
-    (``WorkerReport._wire``): rebuilt with ``EventBatch._from_pickle``, which
+    A seventh field names the children whose payloads are a batch's bytes
+    (``WorkerOutput._wire``): rebuilt with ``EventBatch._from_pickle``, which
     never raises either (bad bytes give a batch whose ``error`` says why)."""
-    report = object.__new__(WorkerReport)
+    output = object.__new__(WorkerOutput)
     n = len(fields)
     if n == 7:
         (
-            report.rank,
-            report.kinds,
+            output.rank,
+            output.kinds,
             payloads,
-            report.factors,
-            report.seq,
-            report.settings,
-            lanes,
+            output.factors,
+            output.seq,
+            output.settings,
+            batches,
         ) = fields
-        report.payloads = _rebuild(payloads, lanes)
-        return report
+        output.payloads = _rebuild(payloads, batches)
+        return output
     values = (*fields, *((None,) * 6))[:6]
     (
-        report.rank,
-        report.kinds,
-        report.payloads,
-        report.factors,
-        report.seq,
-        report.settings,
+        output.rank,
+        output.kinds,
+        output.payloads,
+        output.factors,
+        output.seq,
+        output.settings,
     ) = values
-    return report
+    return output
 
 
-def _rebuild(payloads: Any, lanes: Any) -> Any:
-    """The payloads with each named lane's buffer made a batch again, and
-    each lane that names an earlier one given that lane's batch; as they
-    came if the lanes are not a tuple of in-range ints (the report's checks
+def _rebuild(payloads: Any, batches: Any) -> Any:
+    """The payloads with each named child's buffer made a batch again, and
+    each child that names an earlier one given that child's batch; as they
+    came if ``batches`` is not a tuple of in-range ints (the output's checks
     then refuse them)."""
-    if not lanes or type(payloads) is not tuple or type(lanes) is not tuple:
+    if not batches or type(payloads) is not tuple or type(batches) is not tuple:
         return payloads
     out = list(payloads)
     n = len(out)
-    for i in lanes:
+    for i in batches:
         if type(i) is not int or not 0 <= i < n:
             return payloads
         buffer = out[i]
         if type(buffer) is int:
-            # The batch of an earlier lane (left as it is if that is none).
+            # The batch of an earlier child (left as it is if that is none).
             if 0 <= buffer < i and type(out[buffer]) is EventBatch:
                 out[i] = out[buffer]
         else:
@@ -250,25 +257,25 @@ def _rebuild(payloads: Any, lanes: Any) -> Any:
     return tuple(out)
 
 
-class WorkerReports(Sequence[KVCacheEvent]):
+class WorkerOutputs(Sequence[KVCacheEvent]):
     """What ``KVMergeKVEvents.get_all_events()`` returns.
 
-    As a sequence it holds the decoded events of every report (all lanes, in
-    report then lane order), decoded once on first use. ``KVMergeKVEvents``
-    never uses it that way: it reads ``.reports``.
+    As a sequence it holds the decoded events of every output (all children,
+    in output then child order), decoded once on first use.
+    ``KVMergeKVEvents`` never uses it that way: it reads ``.outputs``.
     """
 
-    __slots__ = ("_decoded", "reports")
+    __slots__ = ("_decoded", "outputs")
 
-    def __init__(self, reports: Sequence[WorkerReport]) -> None:
-        self.reports: tuple[WorkerReport, ...] = tuple(reports)
+    def __init__(self, outputs: Sequence[WorkerOutput]) -> None:
+        self.outputs: tuple[WorkerOutput, ...] = tuple(outputs)
         self._decoded: list[KVCacheEvent] | None = None
 
     def _events(self) -> list[KVCacheEvent]:
         if self._decoded is None:
             decoded: list[KVCacheEvent] = []
-            for report in self.reports:
-                decoded.extend(report.decode(self.reports))
+            for output in self.outputs:
+                decoded.extend(output.decode(self.outputs))
             self._decoded = decoded
         return self._decoded
 
@@ -286,41 +293,41 @@ class WorkerReports(Sequence[KVCacheEvent]):
         return iter(self._events())
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # By report, never by event: pickling does not decode.
-        return (WorkerReports, (self.reports,))
+        # By output, never by event: pickling does not decode.
+        return (WorkerOutputs, (self.outputs,))
 
     def __repr__(self) -> str:
-        return f"<WorkerReports ranks={[r.rank for r in self.reports]}>"
+        return f"<WorkerOutputs ranks={[o.rank for o in self.outputs]}>"
 
 
 class KVMergeKVEvents(KVConnectorKVEvents):
-    """The KVMergeMultiConnector container: one worker report per worker."""
+    """The KVMergeMultiConnector container: one worker output per worker."""
 
-    __slots__ = ("_num_workers", "_reports")
+    __slots__ = ("_num_workers", "_outputs")
 
     def __init__(
-        self, reports: Sequence[WorkerReport] = (), num_workers: int = 1
+        self, outputs: Sequence[WorkerOutput] = (), num_workers: int = 1
     ) -> None:
         if num_workers <= 0:
             raise ValueError("num_workers must be greater than zero.")
-        self._reports: list[WorkerReport] = list(reports)
+        self._outputs: list[WorkerOutput] = list(outputs)
         self._num_workers = num_workers
 
     @classmethod
-    def for_worker(cls, report: WorkerReport) -> KVMergeKVEvents:
-        return cls((report,), num_workers=1)
+    def for_worker(cls, output: WorkerOutput) -> KVMergeKVEvents:
+        return cls((output,), num_workers=1)
 
     @property
-    def reports(self) -> tuple[WorkerReport, ...]:
-        """The reports gathered so far, in the order they were added."""
-        return tuple(self._reports)
+    def outputs(self) -> tuple[WorkerOutput, ...]:
+        """The outputs gathered so far, in the order they were added."""
+        return tuple(self._outputs)
 
     # --- KVConnectorKVEvents -------------------------------------------------
-    def add_events(self, events: Sequence[KVCacheEvent]) -> None:  # type: ignore[override]
-        """Take over another container's reports (``get_all_events()`` of a
+    def add_events(self, events: Sequence[KVCacheEvent]) -> None:
+        """Take over another container's outputs (``get_all_events()`` of a
         ``KVMergeKVEvents``), without decoding them."""
-        if isinstance(events, WorkerReports):
-            self._reports.extend(events.reports)
+        if isinstance(events, WorkerOutputs):
+            self._outputs.extend(events.outputs)
             return
         if isinstance(events, Sequence) and len(events) == 0:
             return
@@ -340,14 +347,14 @@ class KVMergeKVEvents(KVConnectorKVEvents):
             raise ValueError("count must be positive.")
         self._num_workers += count
 
-    def get_all_events(self) -> WorkerReports:  # type: ignore[override]
-        return WorkerReports(self._reports)
+    def get_all_events(self) -> WorkerOutputs:
+        return WorkerOutputs(self._outputs)
 
     def get_number_of_workers(self) -> int:
         return self._num_workers
 
     def clear_events(self) -> None:
-        self._reports.clear()
+        self._outputs.clear()
         self._num_workers = 1
 
     # --- Python protocol -----------------------------------------------------
@@ -358,31 +365,31 @@ class KVMergeKVEvents(KVConnectorKVEvents):
         return True
 
     def __reduce__(self) -> tuple[Any, ...]:
-        reports = self._reports
-        if not all(type(r) is WorkerReport for r in reports):
-            return (KVMergeKVEvents, (tuple(reports), self._num_workers))
-        # One global for the whole message (see WorkerReport._wire).
+        outputs = self._outputs
+        if not all(type(o) is WorkerOutput for o in outputs):
+            return (KVMergeKVEvents, (tuple(outputs), self._num_workers))
+        # One global for the whole message (see WorkerOutput._wire).
         return (
             _events_from_wire,
-            (self._num_workers, tuple(r._wire() for r in reports)),
+            (self._num_workers, tuple(o._wire() for o in outputs)),
         )
 
     def __repr__(self) -> str:
         return (
-            f"<KVMergeKVEvents workers={self._num_workers} reports={self._reports!r}>"
+            f"<KVMergeKVEvents workers={self._num_workers} outputs={self._outputs!r}>"
         )
 
 
-def _events_from_wire(num_workers: Any = 1, reports: Any = (), *_: Any) -> Any:
+def _events_from_wire(num_workers: Any = 1, outputs: Any = (), *_: Any) -> Any:
     """``KVMergeKVEvents.__reduce__``'s reconstructor: never raises (see
-    ``_from_wire``); what is not a report's fields stays as it came, for the
+    ``_from_wire``); what is not an output's fields stays as it came, for the
     scheduler to refuse."""
     events = object.__new__(KVMergeKVEvents)
     events._num_workers = (
         num_workers if type(num_workers) is int and num_workers > 0 else 1
     )
-    if type(reports) is tuple:
-        events._reports = [_from_wire(*r) if type(r) is tuple else r for r in reports]
+    if type(outputs) is tuple:
+        events._outputs = [_from_wire(*o) if type(o) is tuple else o for o in outputs]
     else:
-        events._reports = [reports]
+        events._outputs = [outputs]
     return events

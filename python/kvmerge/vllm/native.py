@@ -1,7 +1,7 @@
-"""Native lanes: children whose containers kvmerge does not merge itself.
+"""Native children: children whose containers kvmerge does not merge itself.
 
 The scheduler side rebuilds such a child's per-worker containers from the
-worker reports and combines them exactly as vLLM 0.33.0's
+worker outputs and combines them exactly as vLLM 0.33.0's
 ``KVOutputAggregator.aggregate`` would have, with the child's own methods; the
 child's ``update_connector_output`` then receives the combined container and
 its ``take_events`` drains it, so third-party connectors keep their semantics

@@ -1,17 +1,18 @@
-"""Reports dropped on the step path: counted per child, logged per incident.
+"""Batches dropped on the step path: counted per child, logged per incident.
 
-On vLLM's step path an exception is fatal to the engine, so a report that
+On vLLM's step path an exception is fatal to the engine, so a batch that
 cannot be merged (a damaged batch, a misrouted or repeated rank, a group
-without a factor, another kvmerge's report) costs only itself: that rank's
-report for that child and step is dropped and the child's ``refused`` counter
+without a factor, another kvmerge's output) costs only itself: that rank's
+batch for that child and step is dropped and the child's ``refused`` counter
 (``vllm:kvmerge_refused_total``) counts it. One warning names the rank, the
 child and the reason when a (child, rank) pair starts being refused, and one
-line says how many were refused when that rank's reports of the child are
+line says how many were refused when that rank's batches of the child are
 accepted again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from .log import get_logger
@@ -19,7 +20,9 @@ from .log import get_logger
 logger = get_logger(__name__)
 
 
-class Lane(Protocol):
+class Child(Protocol):
+    """What a refusal needs of a child (``connector._Child``)."""
+
     refused: int
 
     @property
@@ -28,16 +31,16 @@ class Lane(Protocol):
 
 class Refusals:
     def __init__(self) -> None:
-        #: (lane label, rank) -> [first step, count] of an open incident.
-        self._open: dict[tuple[str, int], list[int]] = {}
-        self._this_step: set[tuple[str, int]] = set()
+        #: (child label, rank) -> [first step, count] of an open incident.
+        self._open: dict[tuple[str, int | str], list[int]] = {}
+        self._this_step: set[tuple[str, int | str]] = set()
         self.step = 0
 
-    def refuse(self, lane: Lane, rank: Any, why: str) -> None:
-        lane.refused += 1
-        if type(rank) is not int:  # what a damaged report claims: as text
+    def refuse(self, child: Child, rank: Any, why: str) -> None:
+        child.refused += 1
+        if type(rank) is not int:  # what a damaged output claims: as text
             rank = repr(rank)[:50]
-        key = (lane.label, rank)
+        key = (child.label, rank)
         self._this_step.add(key)
         incident = self._open.get(key)
         if incident is not None:
@@ -45,26 +48,26 @@ class Refusals:
             return
         self._open[key] = [self.step, 1]
         logger.warning(
-            "%s: step %d: dropped rank %s's report: %s (counted in "
-            "vllm:kvmerge_refused_total; the other ranks' reports merge without "
-            "it; one more line when this rank's reports are accepted again)",
-            lane.label,
+            "%s: step %d: dropped rank %s's batch: %s (counted in "
+            "vllm:kvmerge_refused_total; the other ranks' batches merge without "
+            "it; one more line when this rank's batches are accepted again)",
+            child.label,
             self.step,
             rank,
             why,
         )
 
-    def refuse_report(self, lanes: list[Any], rank: Any, why: str) -> None:
-        """A report none of whose lanes can be used."""
-        for lane in lanes:
-            self.refuse(lane, rank, why)
+    def refuse_output(self, children: Iterable[Child], rank: Any, why: str) -> None:
+        """A worker output none of whose batches can be used."""
+        for child in children:
+            self.refuse(child, rank, why)
 
-    def lost(self, lane: Lane, step: int, why: str) -> None:
+    def lost(self, child: Child, step: int, why: str) -> None:
         """A step whose merged events could not be produced."""
-        lane.refused += 1
+        child.refused += 1
         logger.error(
             "%s: step %d: the merged events of this step are lost: %s",
-            lane.label,
+            child.label,
             step,
             why,
         )
@@ -78,7 +81,7 @@ class Refusals:
         for key in [k for k in self._open if k not in self._this_step]:
             start, count = self._open.pop(key)
             logger.warning(
-                "%s: rank %s's reports are accepted again at step %d: %d refused "
+                "%s: rank %s's batches are accepted again at step %d: %d refused "
                 "since step %d",
                 key[0],
                 key[1],

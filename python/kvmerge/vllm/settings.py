@@ -1,10 +1,10 @@
-"""What a worker believes, sent with its first report, checked by the scheduler.
+"""What a worker believes, sent with its first output, checked by the scheduler.
 
 Workers and the scheduler read the same ``kv_transfer_config``, so they agree
 unless a deployment is inconsistent: another kvmerge release on some hosts, KV
 events off on one worker, a different child list or rule, another world size.
 Each of those would otherwise lose events without a word (a worker whose KV
-events are off looks like a worker with nothing to report). The first report
+events are off looks like a worker with nothing to report). The first output
 of every worker process carries its ``WorkerSettings``; the scheduler compares
 them with its own and names the rank and the setting that differ.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import kvmerge
 
-from .rules import MultiSpec
+from .config import ChildRule, MultiSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +25,7 @@ class WorkerSettings:
     rank: int
     kv_events: bool
     #: Per child, in config order: (label, configured rule, configured factors).
-    children: tuple[tuple[str, str | None, tuple[int, ...] | None], ...]
+    children: tuple[tuple[str, ChildRule | None, tuple[int, ...] | None], ...]
 
 
 def settings_of(
@@ -41,13 +41,13 @@ def settings_of(
 
 
 def differences(scheduler: WorkerSettings, worker: object, rank: int) -> list[str]:
-    """Each setting in which a worker's report differs from the scheduler's view,
+    """Each setting in which a worker's output differs from the scheduler's view,
     as ``"setting: worker ..., scheduler ..."``; empty when they agree."""
     if not isinstance(worker, WorkerSettings):
         return [f"settings: worker sent {type(worker).__name__}, not WorkerSettings"]
     found = []
     if worker.rank != rank:
-        found.append(f"rank: worker believes {worker.rank}, its report says {rank}")
+        found.append(f"rank: worker believes {worker.rank}, its output says {rank}")
     for name in ("kvmerge_version", "world_size", "kv_events"):
         theirs, ours = getattr(worker, name), getattr(scheduler, name)
         if theirs != ours:

@@ -12,15 +12,16 @@ or feed it to the metrics its ``build_prom_metrics`` made
 ``MultiConnector`` sends a ``MultiKVConnectorStats``: the children's stats
 keyed by class name. ``KVMergeMultiConnector``'s scheduler side adds one more
 entry, under ``KEY`` (``"kvmerge"``, not a class name): a ``KVMergeStats``
-holding, per merged child (lane, by ``ChildSpec.label``), what happened since
-the previous call:
+holding, per merged child (by ``ChildSpec.label``), what happened since the
+previous call:
 
 * ``reports``: event reports the workers sent (``MergerStats.reports``);
 * ``published``: events published (``MergerStats.published``);
 * ``expired``: reports that waited ``max_pending_steps`` for the other ranks
   and were dropped;
 * ``cleared``: pending reports an ``AllBlocksCleared`` discarded;
-* ``refused``: worker reports dropped as bad (``_Lane.refused``);
+* ``refused``: the workers' batches dropped as bad, and steps whose merged
+  events were lost (``_Child.refused``);
 * ``pending``: reports waiting now (a level, not an increment).
 
 Prometheus (labels ``model_name``, ``engine`` as vLLM's own, and
@@ -68,7 +69,7 @@ _DOC: Final = {
     "expired": "KV event reports dropped after waiting max_pending_steps for "
     "the other ranks, per child.",
     "cleared": "Pending KV event reports discarded by an AllBlocksCleared, per child.",
-    "refused": "Worker reports of KV events refused as bad, per child.",
+    "refused": "Workers' batches of KV events refused as bad, per child.",
     PENDING: "KV event reports waiting for the other ranks, per child.",
 }
 
@@ -109,16 +110,16 @@ class KVMergeStats(KVConnectorStats):
 
 
 class StatsTracker:
-    """Scheduler side: each lane's counters since the previous ``collect``."""
+    """Scheduler side: each child's counters since the previous ``collect``."""
 
     def __init__(self) -> None:
         self._last: dict[int, dict[str, int]] = {}
 
-    def collect(self, lanes: Sequence[Any]) -> KVMergeStats:
+    def collect(self, children: Sequence[Any]) -> KVMergeStats:
         data: dict[str, dict[str, int]] = {}
-        for i, lane in enumerate(lanes):
-            merger = lane.merger
-            refused = int(getattr(lane, "refused", 0))
+        for i, child in enumerate(children):
+            merger = child.merger
+            refused = int(getattr(child, "refused", 0))
             if merger is None and not refused:
                 continue
             now = merger.stats().as_dict() if merger is not None else {}
@@ -133,7 +134,7 @@ class StatsTracker:
                 entry[name] = value - before if value >= before else value
             entry[PENDING] = int(now.get(PENDING, 0))
             self._last[i] = current
-            data[lane.spec.label] = entry
+            data[child.spec.label] = entry
         return KVMergeStats(data=data)
 
 
@@ -178,7 +179,7 @@ class KVMergePromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(
             vllm_config,
-            metric_types,  # type: ignore[arg-type]
+            metric_types,
             labelnames,
             per_engine_labelvalues,
         )
@@ -196,7 +197,7 @@ class KVMergePromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
         )
 
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labelvalues = self.per_engine_labelvalues[engine_idx]
         for label, values in transfer_stats_data.items():
             for name, counter in self.counters.items():
@@ -219,7 +220,7 @@ class WithKVMergePromMetrics(KVMergePromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.children = children
 
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         ours = transfer_stats_data.get(KEY)
         if ours is not None:
             if isinstance(ours, KVConnectorStats):

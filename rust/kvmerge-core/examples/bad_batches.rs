@@ -49,7 +49,7 @@ fn main() {
         ("record kind 9", forged(|b| b[record(0) + 24] = 9)),
         ("record flags 0x04", forged(|b| b[record(0) + 25] = 4)),
         (
-            "record marked as left out, with a length",
+            "record marked as not carried, with a length",
             forged(|b| b[record(0) + 25] = 2),
         ),
         (

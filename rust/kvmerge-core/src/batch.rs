@@ -8,17 +8,17 @@
 //! 24..    one 40-byte record per event, then the payload: a msgpack array
 //!         of the events whose bytes travel, exactly as msgspec encoded them
 //! record: 0..16 identity | 16..20 offset in payload | 20..24 length
-//!         24 kind | 25 flags (bit 0: has group, bit 1: bytes left out)
+//!         24 kind | 25 flags (bit 0: has group, bit 1: bytes not carried)
 //!         26..32 zero | 32..40 group
 //! ```
-//! An event whose bytes were left out (another rank carries them, see
-//! `merge::carriers`) keeps its record, with length 0. The merger reads
+//! An event whose bytes the batch does not carry (another rank carries them,
+//! see `carriers`) keeps its record, with length 0. The merger reads
 //! records only; the payload is read once more, to copy the published events
 //! out.
 
+use crate::carriers::Carriers;
 use crate::error::{Error, Result};
 use crate::identity::{Identity, IdentityMap};
-use crate::merge::MergerConfig;
 use crate::msgpack::{self, Reader};
 use crate::schema::{self, EventKind};
 
@@ -27,7 +27,7 @@ const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 24;
 pub const RECORD_LEN: usize = 40;
 const HAS_GROUP: u8 = 1;
-const ELIDED: u8 = 2;
+const UNCARRIED: u8 = 2;
 
 /// Memory a `Batch` reads from: an owned `Vec`, or a buffer the binding
 /// borrows from Python without copying.
@@ -52,7 +52,7 @@ pub struct Record {
     pub identity: Identity,
     pub kind: EventKind,
     pub group_idx: Option<i64>,
-    /// Whether the event's bytes are in this batch (see `merge::carriers`).
+    /// Whether the event's bytes are in this batch (see `carriers`).
     pub carried: bool,
     offset: u32,
     len: u32,
@@ -65,7 +65,7 @@ pub struct Batch {
     ptr: *const u8,
     nbytes: usize,
     n_events: usize,
-    n_elided: usize,
+    n_uncarried: usize,
 }
 
 // SAFETY: `ptr` points into `backing`, which is Send + Sync and never mutated.
@@ -77,7 +77,7 @@ impl std::fmt::Debug for Batch {
         f.debug_struct("Batch")
             .field("events", &self.n_events)
             .field("nbytes", &self.nbytes)
-            .field("elided", &self.n_elided)
+            .field("uncarried", &self.n_uncarried)
             .finish()
     }
 }
@@ -95,13 +95,13 @@ impl Batch {
     pub fn from_backing(backing: Box<dyn Backing>) -> Result<Batch> {
         let bytes = backing.bytes();
         let (ptr, nbytes) = (bytes.as_ptr(), bytes.len());
-        let (n_events, n_elided) = validate(bytes)?;
+        let (n_events, n_uncarried) = validate(bytes)?;
         Ok(Batch {
             _owner: backing,
             ptr,
             nbytes,
             n_events,
-            n_elided,
+            n_uncarried,
         })
     }
 
@@ -111,15 +111,15 @@ impl Batch {
 
     /// For bytes this module just wrote: validating them again would read
     /// the whole buffer a second time.
-    fn from_own_vec(bytes: Vec<u8>, n_events: usize, n_elided: usize) -> Batch {
-        debug_assert_eq!(validate(&bytes), Ok((n_events, n_elided)));
+    fn from_own_vec(bytes: Vec<u8>, n_events: usize, n_uncarried: usize) -> Batch {
+        debug_assert_eq!(validate(&bytes), Ok((n_events, n_uncarried)));
         let (ptr, nbytes) = (bytes.as_ptr(), bytes.len());
         Batch {
             _owner: Box::new(bytes),
             ptr,
             nbytes,
             n_events,
-            n_elided,
+            n_uncarried,
         }
     }
 
@@ -129,31 +129,31 @@ impl Batch {
         Batch::encode_for(payload, None)
     }
 
-    /// `encode` for `rank` of the merger configured by `cfg`: the bytes of
-    /// the events this rank need not carry (`MergerConfig::carries`) are
-    /// left out, their records kept.
-    pub fn encode_for(payload: &[u8], carrier: Option<(&MergerConfig, usize)>) -> Result<Batch> {
-        if let Some((cfg, rank)) = carrier {
-            cfg.validate()?;
-            if rank >= cfg.world_size {
+    /// `encode` for `rank` of the world `carriers` describes: the batch
+    /// carries only the bytes of the events this rank must carry
+    /// (`Carriers::carries`), and keeps every event's record.
+    pub fn encode_for(payload: &[u8], carrier: Option<(&Carriers, usize)>) -> Result<Batch> {
+        if let Some((carriers, rank)) = carrier {
+            carriers.validate()?;
+            if rank >= carriers.world_size {
                 return Err(Error::RankOutOfRange {
                     rank: rank as i64,
-                    world_size: cfg.world_size,
+                    world_size: carriers.world_size,
                 });
             }
         }
         let mut r = Reader::new(payload);
         let n = r
             .read_array_len()
-            .map_err(|e| Error::InvalidEvents(e.to_string()))?;
+            .map_err(|e| Error::InvalidPayload(e.to_string()))?;
         let old_header = r.pos();
         // The announced count is untrusted until the events are read: every
         // event takes bytes of the payload, so its length bounds the count.
         let records = n.min(payload.len()) * RECORD_LEN;
         let mut out = Vec::with_capacity(HEADER_LEN + records + payload.len());
         out.resize(HEADER_LEN, 0);
-        // Spans of the events left out, to cut from the payload afterwards.
-        let mut left_out: Vec<std::ops::Range<usize>> = Vec::new();
+        // Spans of the events not carried, to cut from the payload afterwards.
+        let mut uncarried: Vec<std::ops::Range<usize>> = Vec::new();
         let mut shift = 0;
         for index in 0..n {
             let start = r.pos();
@@ -161,33 +161,34 @@ impl Batch {
                 .map_err(|reason| Error::InvalidEvent { index, reason })?;
             let span = &payload[start..r.pos()];
             let identity = Identity::of(span);
-            let carried = carrier
-                .is_none_or(|(cfg, rank)| cfg.carries(rank, &identity, info.kind, info.group_idx));
+            let carried = carrier.is_none_or(|(carriers, rank)| {
+                carriers.carries(rank, &identity, info.kind, info.group_idx)
+            });
             let len = if carried { span.len() } else { 0 };
             push_record(&mut out, identity, info, carried, start - shift, len);
             if !carried {
-                left_out.push(start..r.pos());
+                uncarried.push(start..r.pos());
                 shift += span.len();
             }
         }
         if !r.is_empty() {
-            return Err(Error::InvalidEvents(format!(
+            return Err(Error::InvalidPayload(format!(
                 "{} trailing bytes after the event list",
                 payload.len() - r.pos()
             )));
         }
-        if left_out.is_empty() {
+        if uncarried.is_empty() {
             out.extend_from_slice(payload);
             finish_header(&mut out, n, payload.len())?;
             return Ok(Batch::from_own_vec(out, n, 0));
         }
         // A shorter array header may shift every offset: rewrite them.
-        let kept = n - left_out.len();
+        let kept = n - uncarried.len();
         let new_header = array_header_len(kept);
         let base = out.len();
         msgpack::write_array_header(&mut out, kept);
         let mut at = old_header;
-        for cut in &left_out {
+        for cut in &uncarried {
             out.extend_from_slice(&payload[at..cut.start]);
             at = cut.end;
         }
@@ -201,11 +202,11 @@ impl Batch {
         }
         let payload_len = out.len() - base;
         finish_header(&mut out, n, payload_len)?;
-        Ok(Batch::from_own_vec(out, n, left_out.len()))
+        Ok(Batch::from_own_vec(out, n, uncarried.len()))
     }
 
     /// A new batch holding the given events of other batches, in order
-    /// (an event whose bytes its batch left out stays without them).
+    /// (an event whose bytes its batch does not carry stays without them).
     ///
     /// # Panics
     /// If they do not fit one batch (see `try_gather`).
@@ -220,7 +221,7 @@ impl Batch {
         events: impl ExactSizeIterator<Item = (&'a Batch, usize)> + Clone,
     ) -> Result<Batch> {
         let n = events.len();
-        let kept = events.clone().filter(|(b, i)| b.has_bytes(*i)).count();
+        let kept = events.clone().filter(|(b, i)| b.carries(*i)).count();
         let mut payload_len = array_header_len(kept) as u64;
         for (batch, i) in events.clone() {
             payload_len += batch.record(i).len as u64;
@@ -256,13 +257,13 @@ impl Batch {
         Ok(Batch::from_own_vec(out, n, n - kept))
     }
 
-    /// This batch with the bytes it left out taken from `sources` (any event
+    /// This batch with the bytes it does not carry taken from `sources` (any event
     /// of the same identity: equal identities, equal bytes).
     /// `Err(FillError::Missing(i))`: event `i`'s bytes are in none of them.
     pub fn filled(&self, sources: &[&Batch]) -> std::result::Result<Batch, FillError> {
         let mut carried: IdentityMap<(&Batch, usize)> = IdentityMap::default();
         for &b in sources.iter().chain([&self]) {
-            for i in (0..b.len()).filter(|&i| b.has_bytes(i)) {
+            for i in (0..b.len()).filter(|&i| b.carries(i)) {
                 carried.entry(b.identity(i)).or_insert((b, i));
             }
         }
@@ -294,17 +295,19 @@ impl Batch {
         self.n_events == 0
     }
 
-    /// How many events' bytes were left out (another rank carries them).
-    pub fn elided(&self) -> usize {
-        self.n_elided
+    /// How many events' bytes this batch does not carry (another rank
+    /// carries them).
+    pub fn uncarried(&self) -> usize {
+        self.n_uncarried
     }
 
-    pub fn has_bytes(&self, i: usize) -> bool {
-        self.bytes()[HEADER_LEN + i * RECORD_LEN + 25] & ELIDED == 0
+    /// Whether this batch carries event `i`'s bytes.
+    pub fn carries(&self, i: usize) -> bool {
+        self.bytes()[HEADER_LEN + i * RECORD_LEN + 25] & UNCARRIED == 0
     }
 
     /// The msgpack array of the events whose bytes are here (all of them
-    /// unless `elided() > 0`), as msgspec would decode it.
+    /// unless `uncarried() > 0`), as msgspec would decode it.
     pub fn payload(&self) -> &[u8] {
         &self.bytes()[self.payload_start()..]
     }
@@ -335,7 +338,7 @@ impl Batch {
             kind: EventKind::from_u8(r[24]).expect("validated"),
             group_idx: (r[25] & HAS_GROUP != 0)
                 .then(|| i64::from_le_bytes(r[32..40].try_into().expect("8 bytes"))),
-            carried: r[25] & ELIDED == 0,
+            carried: r[25] & UNCARRIED == 0,
             offset: u32_at(r, 16),
             len: u32_at(r, 20),
         }
@@ -353,12 +356,12 @@ impl Batch {
         EventKind::from_u8(self.bytes()[HEADER_LEN + i * RECORD_LEN + 24]).expect("validated")
     }
 
-    /// The msgpack encoding of event `i`, None if its bytes were left out.
+    /// The msgpack encoding of event `i`, None if this batch does not carry it.
     pub fn event_bytes(&self, i: usize) -> Option<&[u8]> {
         self.event_range(i).map(|r| &self.bytes()[r])
     }
 
-    /// Byte range of event `i` within `bytes()`, None if left out.
+    /// Byte range of event `i` within `bytes()`, None if not carried.
     pub fn event_range(&self, i: usize) -> Option<std::ops::Range<usize>> {
         let rec = self.record(i);
         if !rec.carried {
@@ -433,7 +436,7 @@ fn push_record(
         0
     };
     if !carried {
-        flags |= ELIDED;
+        flags |= UNCARRIED;
     }
     out.extend_from_slice(&identity.0);
     out.extend_from_slice(&(offset as u32).to_le_bytes());
@@ -446,9 +449,9 @@ fn push_record(
 
 fn finish_header(out: &mut [u8], n: usize, payload_len: usize) -> Result<()> {
     let n32 = u32::try_from(n)
-        .map_err(|_| Error::InvalidEvents(format!("{n} events exceed one batch's limit")))?;
+        .map_err(|_| Error::InvalidPayload(format!("{n} events exceed one batch's limit")))?;
     let len32 = u32::try_from(payload_len).map_err(|_| {
-        Error::InvalidEvents(format!(
+        Error::InvalidPayload(format!(
             "{payload_len} bytes exceed one batch's 4 GiB limit"
         ))
     })?;
@@ -462,7 +465,7 @@ fn finish_header(out: &mut [u8], n: usize, payload_len: usize) -> Result<()> {
 }
 
 /// Checks everything the merger and the output path rely on; returns the
-/// number of events and how many of them were left out.
+/// number of events and how many of them the batch does not carry.
 fn validate(b: &[u8]) -> Result<(usize, usize)> {
     if b.len() < HEADER_LEN {
         return Err(corrupt(format!(
@@ -509,35 +512,35 @@ fn validate(b: &[u8]) -> Result<(usize, usize)> {
         .read_array_len()
         .map_err(|e| corrupt(format!("payload: {e}")))?;
     // Spans must tile the payload in order: then every event's bytes are
-    // inside the buffer and none overlap. Left-out events take no bytes.
+    // inside the buffer and none overlap. Uncarried events take no bytes.
     let mut next = head.pos();
-    let mut elided = 0;
+    let mut uncarried = 0;
     for i in 0..n {
         let r = &b[HEADER_LEN + i * RECORD_LEN..HEADER_LEN + (i + 1) * RECORD_LEN];
         if EventKind::from_u8(r[24]).is_none()
-            || r[25] & !(HAS_GROUP | ELIDED) != 0
+            || r[25] & !(HAS_GROUP | UNCARRIED) != 0
             || r[26..32] != [0; 6]
         {
             return Err(corrupt(format!("record {i} is malformed")));
         }
         let (offset, len) = (u32_at(r, 16) as usize, u32_at(r, 20) as usize);
-        let carried = r[25] & ELIDED == 0;
+        let carried = r[25] & UNCARRIED == 0;
         if offset != next || (len == 0) == carried || offset + len > payload.len() {
             return Err(corrupt(format!("record {i} points outside its event")));
         }
-        elided += usize::from(!carried);
+        uncarried += usize::from(!carried);
         next = offset + len;
     }
-    if count != n - elided {
+    if count != n - uncarried {
         return Err(corrupt(format!(
             "payload holds {count} events, the records announce {}",
-            n - elided
+            n - uncarried
         )));
     }
     if next != payload.len() {
         return Err(corrupt("event records do not cover the payload"));
     }
-    Ok((n, elided))
+    Ok((n, uncarried))
 }
 
 #[cfg(test)]
@@ -601,18 +604,19 @@ mod tests {
     }
 
     #[test]
-    fn left_out_bytes_keep_their_records() {
-        use crate::merge::{MergerConfig, Rule};
+    fn uncarried_bytes_keep_their_records() {
+        use crate::carriers::Carriers;
+        use crate::rule::Rule;
         use crate::testing::{payload, removed};
         let evs: Vec<_> = (0..40).map(removed).collect();
         let full = Batch::encode(&payload(&evs)).unwrap();
-        let cfg = MergerConfig::new(4, Rule::All);
+        let carriers = Carriers::new(4, Rule::All);
         let mut carried = vec![0; 40];
         for rank in 0..4 {
-            let lean = Batch::encode_for(&payload(&evs), Some((&cfg, rank))).unwrap();
+            let lean = Batch::encode_for(&payload(&evs), Some((&carriers, rank))).unwrap();
             let again = Batch::from_vec(lean.bytes().to_vec()).unwrap();
-            assert_eq!(again.elided(), lean.elided());
-            assert!(lean.elided() > 0 && lean.bytes().len() < full.bytes().len());
+            assert_eq!(again.uncarried(), lean.uncarried());
+            assert!(lean.uncarried() > 0 && lean.bytes().len() < full.bytes().len());
             for (i, count) in carried.iter_mut().enumerate() {
                 assert_eq!(lean.identity(i), full.identity(i));
                 match lean.event_bytes(i) {
@@ -625,20 +629,18 @@ mod tests {
             }
             // The other ranks' batches hold the rest.
             let others: Vec<Batch> = (0..4)
-                .map(|r| Batch::encode_for(&payload(&evs), Some((&cfg, r))).unwrap())
+                .map(|r| Batch::encode_for(&payload(&evs), Some((&carriers, r))).unwrap())
                 .collect();
             let refs: Vec<&Batch> = others.iter().collect();
             let filled = lean.filled(&refs).unwrap();
-            assert_eq!((filled.elided(), filled.payload()), (0, full.payload()));
+            assert_eq!((filled.uncarried(), filled.payload()), (0, full.payload()));
             assert_eq!(
                 lean.filled(&[]).err(),
-                (0..40)
-                    .find(|&i| !lean.has_bytes(i))
-                    .map(FillError::Missing)
+                (0..40).find(|&i| !lean.carries(i)).map(FillError::Missing)
             );
             // Gathering keeps both kinds of records.
             let g = Batch::gather((0..40).rev().map(|i| (&lean, i)));
-            assert_eq!(g.elided(), lean.elided());
+            assert_eq!(g.uncarried(), lean.uncarried());
             assert_eq!(g.event_bytes(0), lean.event_bytes(39));
         }
         assert_eq!(
@@ -661,7 +663,7 @@ mod tests {
         ));
         assert!(matches!(
             Batch::encode(&[0x05]),
-            Err(Error::InvalidEvents(_))
+            Err(Error::InvalidPayload(_))
         ));
     }
 }

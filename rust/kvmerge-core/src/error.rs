@@ -10,9 +10,9 @@ pub enum Error {
     /// An event to encode does not have vLLM 0.33.0's shape.
     #[error("event {index}: {reason}")]
     InvalidEvent { index: usize, reason: SchemaError },
-    /// The events to encode are not a msgpack array of events at all.
+    /// The payload to encode is not a msgpack array of events at all.
     #[error("events: {0}")]
-    InvalidEvents(String),
+    InvalidPayload(String),
     #[error("{0}")]
     Config(String),
     #[error("rank {rank} is outside the world [0, {world_size})")]

@@ -5,18 +5,24 @@
 //! The rules are specified in `docs/merge-rules.md`.
 
 pub mod batch;
+pub mod carriers;
 pub mod error;
 pub mod identity;
 pub mod merge;
 pub mod msgpack;
+pub mod rule;
 pub mod schema;
 
 pub use batch::{Backing, Batch, FillError, Record};
+pub use carriers::{Carriers, MAX_WORLD_SIZE};
 pub use error::{Error, Result};
 pub use identity::Identity;
-pub use merge::{Merger, MergerConfig, Rule, Stats};
+pub use merge::{Merger, MergerConfig, Stats, DEFAULT_MAX_PENDING_STEPS};
+pub use rule::Rule;
 pub use schema::{EventKind, SchemaError};
 
-/// Event builders for tests and benchmarks; not part of the stable API.
+/// Event builders for tests, benchmarks, examples and the fuzz targets (the
+/// `testing` feature); not part of the stable API.
+#[cfg(any(test, feature = "testing"))]
 #[doc(hidden)]
 pub mod testing;

@@ -67,8 +67,8 @@ fn check(bytes: Vec<u8>) {
     for order in orders {
         let out = Batch::gather(order.iter().map(|&i| (&batch, i)));
         assert_eq!(out.len(), order.len());
-        let left_out = order.iter().filter(|&&i| !batch.has_bytes(i)).count();
-        assert_eq!(out.elided(), left_out);
+        let uncarried = order.iter().filter(|&&i| !batch.carries(i)).count();
+        assert_eq!(out.uncarried(), uncarried);
         let again = Batch::from_vec(out.bytes().to_vec()).expect("a gathered batch validates");
         assert_eq!(again.len(), order.len());
         for (k, &i) in order.iter().enumerate() {

@@ -1,6 +1,6 @@
 //! Arbitrary bytes as the msgpack list of events a worker encodes
 //! (`Batch::encode`, what `kvmerge.encode` runs after msgspec). Refusals
-//! must be `InvalidEvent`/`InvalidEvents`; an accepted payload must be kept
+//! must be `InvalidEvent`/`InvalidPayload`; an accepted payload must be kept
 //! byte for byte, validate as a received batch, and give each event the
 //! identity of its own bytes, the same as when it is encoded alone.
 
@@ -18,7 +18,7 @@ fuzz_target!(|data: &[u8]| {
             let _ = index;
             return;
         }
-        Err(Error::InvalidEvents(msg)) => {
+        Err(Error::InvalidPayload(msg)) => {
             assert!(!msg.is_empty());
             return;
         }

@@ -8,8 +8,8 @@
 //!         quorum factors `[1 + (b >> 3 & 3), 1 + (b >> 5 & 3)]`;
 //! then one op per byte: `< 0xa0`: add pool batch `b & 15` as rank `b >> 4`
 //! (ranks 8 and 9 stand for -1 and i64::MAX), `0xa0..0xe0`: finish_step,
-//! `0xe0..0xf0`: reset, `>= 0xf0`: `add_all` of the `1 + (b & 3)` reports
-//! that the next bytes encode as an add does (missing bytes: fewer reports).
+//! `0xe0..0xf0`: reset, `>= 0xf0`: `add_all` of the `1 + (b & 3)` batches
+//! that the next bytes encode as an add does (missing bytes: fewer batches).
 //!
 //! Checked after every op, on twin mergers fed the same calls (one closing
 //! steps with `finish_step`, the other with `finish_step_general`, which
@@ -27,7 +27,7 @@
 use std::sync::{Arc, OnceLock};
 
 use kvmerge_core::testing::{batch, clear, removed, stored, Ev};
-use kvmerge_core::{Batch, Error, Identity, Merger, MergerConfig, Rule, Stats};
+use kvmerge_core::{Batch, Carriers, Error, Identity, Merger, MergerConfig, Rule, Stats};
 use libfuzzer_sys::fuzz_target;
 
 #[path = "../../kvmerge-core/examples/soak/reference.rs"]
@@ -142,9 +142,11 @@ fuzz_target!(|data: &[u8]| {
     let factors =
         (rule == Rule::Quorum).then(|| vec![1 + (b1 >> 3 & 3) as u32, 1 + (b1 >> 5 & 3) as u32]);
     let cfg = MergerConfig {
-        world_size: w,
-        rule,
-        replication_factors: factors.clone(),
+        carriers: Carriers {
+            world_size: w,
+            rule,
+            replication_factors: factors.clone(),
+        },
         max_pending_steps: pending,
     };
     let mut fast = Merger::new(cfg.clone()).expect("valid config");

@@ -4,22 +4,16 @@
 use std::ffi::c_int;
 use std::sync::Arc;
 
-use kvmerge_core::{Backing, Batch};
+use kvmerge_core::{Backing, Batch, FillError};
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{
-    PyBufferError, PyException, PyIndexError, PyOverflowError, PyTypeError, PyValueError,
-};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView, PyTuple, PyType};
 
-use crate::errors::{
-    config, corrupt_batch, incomplete_batch, invalid_event, rank_out_of_range, PyKvError,
-};
+use crate::convert::{decode_events, indices_arg, payload_slice, raw_list, type_name};
+use crate::errors::{corrupt_batch, incomplete_batch};
 use crate::gil::{is_small, without_gil_unless};
-use crate::merger::{config_arg, int_arg};
-use crate::schema::schema;
-use kvmerge_core::FillError;
 
 /// A received Python buffer whose memory cannot change (see
 /// `immutable_exporter`), borrowed for as long as the batch lives.
@@ -92,10 +86,10 @@ thread_local! {
     static VOUCHED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Opens (`True`) or closes (`False`) a `kvmerge.borrow_buffers()` block on
-/// this thread: within it, `from_buffer` also borrows read-only buffers of
-/// exporters it does not know, because the caller vouches that they do not
-/// change while any batch made of them lives.
+// Opens (`True`) or closes (`False`) a `kvmerge.borrow_buffers()` block on
+// this thread: within it, `from_buffer` also borrows read-only buffers of
+// exporters it does not know, because the caller vouches that they do not
+// change while any batch made of them lives.
 #[pyfunction]
 pub fn _borrow_buffers(enter: bool) {
     VOUCHED.with(|v| {
@@ -193,25 +187,11 @@ impl PyEventBatch {
     }
 }
 
-/// Decodes a msgpack array of events into vLLM objects with msgspec.
-pub fn decode_events<'py>(
-    py: Python<'py>,
-    payload: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let s = schema(py)?;
-    s.decode.bind(py).call1((payload,)).map_err(|e| {
-        if e.is_instance(py, s.decode_error.bind(py)) {
-            corrupt_batch(py, format!("events do not decode: {}", e.value(py)))
-        } else {
-            e
-        }
-    })
-}
-
-/// Refuses to read the events of a batch that left some of their bytes to
-/// other ranks: only the merger can put the events back together.
+/// Refuses to read the events of a batch that does not carry all of their
+/// bytes (other ranks carry them): only the merger can put the events back
+/// together.
 fn require_bytes(py: Python<'_>, batch: &Batch) -> PyResult<()> {
-    match batch.elided() {
+    match batch.uncarried() {
         0 => Ok(()),
         n => Err(incomplete_batch(
             py,
@@ -224,36 +204,9 @@ fn require_bytes(py: Python<'_>, batch: &Batch) -> PyResult<()> {
     }
 }
 
-/// One `msgspec.Raw` per event.
-pub fn raw_events<'py>(slf: &Bound<'py, PyEventBatch>) -> PyResult<Bound<'py, PyList>> {
-    let batch = slf.get().batch(slf.py())?;
-    require_bytes(slf.py(), batch)?;
-    raw_list(
-        slf.py(),
-        (0..batch.len()).map(|i| batch.event_bytes(i).expect("require_bytes checked")),
-    )
-}
-
-/// `msgspec.Raw` objects of these encodings, each over its own `bytes`: as
-/// fast as a memoryview slice of a shared buffer (building the `Raw` is most
-/// of the ~250 ns an event either way), and whoever holds the output does not
-/// keep the received buffers alive.
-pub fn raw_list<'py, 'a>(
-    py: Python<'py>,
-    events: impl ExactSizeIterator<Item = &'a [u8]>,
-) -> PyResult<Bound<'py, PyList>> {
-    let raw = schema(py)?.raw.bind(py);
-    let items = events
-        .map(|bytes| raw.call1((PyBytes::new(py, bytes),)))
-        .collect::<PyResult<Vec<_>>>()?;
-    PyList::new(py, items)
-}
-
+// The Python-facing docs are in _kvmerge.pyi; comments here say why.
 #[pymethods]
 impl PyEventBatch {
-    /// Check a received buffer (bytes, bytearray, memoryview...) and make a
-    /// batch of it: without copying when its memory is immutable (bytes, or
-    /// a view of them), from a private copy otherwise.
     #[staticmethod]
     fn from_buffer(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<Self> {
         PyEventBatch::load(py, buffer).map_err(|refusal| match refusal {
@@ -262,11 +215,11 @@ impl PyEventBatch {
         })
     }
 
-    /// The pickle reconstructor: `from_buffer` that never raises for what
-    /// it is given. Unpickling runs inside vLLM's message queue, before any
-    /// code could drop one rank's report; so bad bytes give a batch that
-    /// remembers why (`error`), and raises `CorruptBatchError` with that
-    /// message when its events are used (`Merger.add`, `decode`, ...).
+    // The pickle reconstructor: `from_buffer` that never raises for what it
+    // is given. Unpickling runs inside vLLM's message queue, before any code
+    // could drop one rank's batch; so bad bytes give a batch that remembers
+    // why (`error`), and raises `CorruptBatchError` with that message when
+    // its events are used (`Merger.add`, `decode`, ...).
     #[staticmethod]
     fn _from_pickle(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> Self {
         PyEventBatch::load(py, buffer).unwrap_or_else(|refusal| match refusal {
@@ -276,8 +229,6 @@ impl PyEventBatch {
         })
     }
 
-    /// Why this batch, unpickled from bad bytes, is not one (the message
-    /// its uses raise as `CorruptBatchError`); None for a valid batch.
     #[getter]
     fn error(&self) -> Option<&str> {
         self.error.as_deref()
@@ -288,7 +239,6 @@ impl PyEventBatch {
         PyEventBatch::new(Arc::new(Batch::empty()))
     }
 
-    /// The events, equal to the encoded ones, in order.
     pub(crate) fn decode<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let batch = slf.get().batch(py)?;
@@ -298,13 +248,16 @@ impl PyEventBatch {
         decode_events(py, &payload)
     }
 
-    /// Each event's msgpack encoding, ready for a msgspec encoder.
     fn raw<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
-        raw_events(slf)
+        let py = slf.py();
+        let batch = slf.get().batch(py)?;
+        require_bytes(py, batch)?;
+        raw_list(
+            py,
+            (0..batch.len()).map(|i| batch.event_bytes(i).expect("require_bytes checked")),
+        )
     }
 
-    /// This batch with the bytes it left out taken from `sources` (other
-    /// ranks' batches of the same step and child), by identity.
     fn filled(slf: &Bound<'_, Self>, sources: Vec<Bound<'_, PyEventBatch>>) -> PyResult<Self> {
         let py = slf.py();
         let me = slf.get().batch(py)?;
@@ -312,7 +265,7 @@ impl PyEventBatch {
             .iter()
             .map(|b| b.get().batch(py).cloned())
             .collect::<PyResult<_>>()?;
-        if me.elided() == 0 {
+        if me.uncarried() == 0 {
             return Ok(PyEventBatch::new(me.clone()));
         }
         let refs: Vec<&Batch> = inners.iter().map(|b| &**b).collect();
@@ -332,36 +285,14 @@ impl PyEventBatch {
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
-    /// Each event's class name ("BlockStored", "BlockRemoved", "AllBlocksCleared").
     fn kinds(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
         let batch = self.batch(py)?;
         Ok((0..batch.len()).map(|i| batch.kind(i).name()).collect())
     }
 
-    /// A new batch of the events at `indices`, in that order (no decoding).
     fn take(&self, py: Python<'_>, indices: Vec<Bound<'_, PyAny>>) -> PyResult<Self> {
         let me = self.batch(py)?;
-        let n = me.len();
-        let out_of_range = |i: &dyn std::fmt::Display| {
-            PyIndexError::new_err(format!("index {i} out of range for {n} events"))
-        };
-        let idx = indices
-            .iter()
-            .map(|obj| {
-                // An int beyond i64 is out of range like any other.
-                let i = match obj.extract::<i64>() {
-                    Ok(i) => i,
-                    Err(e) if e.is_instance_of::<PyOverflowError>(py) => {
-                        return Err(out_of_range(obj))
-                    }
-                    Err(e) => return Err(e),
-                };
-                usize::try_from(if i < 0 { i + n as i64 } else { i })
-                    .ok()
-                    .filter(|&i| i < n)
-                    .ok_or_else(|| out_of_range(&i))
-            })
-            .collect::<PyResult<Vec<usize>>>()?;
+        let idx = indices_arg(&indices, me.len())?;
         // A batch holds at most 4 GiB of events (u32 offsets): refuse
         // rather than let the gather fail on it.
         let total: u64 = idx
@@ -382,9 +313,6 @@ impl PyEventBatch {
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
-    /// One batch of all the events of `batches`, in order, without decoding:
-    /// e.g. a rank's salvaged earlier output followed by its current one, to
-    /// add as that rank's single report of the step.
     #[staticmethod]
     fn concat(py: Python<'_>, batches: Vec<Bound<'_, PyEventBatch>>) -> PyResult<Self> {
         let inners: Vec<Arc<Batch>> = batches
@@ -412,17 +340,14 @@ impl PyEventBatch {
         Ok(PyEventBatch::new(Arc::new(batch)))
     }
 
-    /// Each event's 16-byte identity.
     fn identities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let batch = self.batch(py)?;
         PyList::new(py, batch.identities().map(|id| PyBytes::new(py, &id.0)))
     }
 
-    /// How many events' bytes this batch left to other ranks (`encode` with
-    /// a rank): such a batch can be merged, not read.
     #[getter]
-    fn elided(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.batch(py)?.elided())
+    fn uncarried(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.batch(py)?.uncarried())
     }
 
     #[getter]
@@ -449,10 +374,10 @@ impl PyEventBatch {
         }
     }
 
-    /// Protocol 5 hands the bytes over as an out-of-band `PickleBuffer`;
-    /// older protocols copy them into the pickle as `bytes`.
-    /// The reconstructor is `_from_pickle`: unpickling never raises for the
-    /// batch's bytes. An invalid batch does not pickle (`CorruptBatchError`).
+    // Protocol 5 hands the bytes over as an out-of-band `PickleBuffer`;
+    // older protocols copy them into the pickle as `bytes`. The
+    // reconstructor is `_from_pickle`: unpickling never raises for the
+    // batch's bytes. An invalid batch does not pickle (`CorruptBatchError`).
     fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i64) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
         let batch = slf.get().batch(py)?;
@@ -467,7 +392,7 @@ impl PyEventBatch {
         PyTuple::new(py, [rebuild, PyTuple::new(py, [payload])?.into_any()])
     }
 
-    /// Read-only export of the wire bytes; the export keeps `self` alive.
+    // Read-only export of the wire bytes; the export keeps `self` alive.
     unsafe fn __getbuffer__(
         slf: Bound<'_, Self>,
         view: *mut ffi::Py_buffer,
@@ -501,233 +426,4 @@ impl PyEventBatch {
         }
         Ok(())
     }
-}
-
-/// `slice(start, None)`. Not `PySlice::new`: under pyo3 0.30 it never
-/// releases the ints it makes for its bounds (36-64 bytes per call, for
-/// every `decode` and `Merger.finish_step`).
-fn payload_slice(py: Python<'_>, start: usize) -> PyResult<Bound<'_, PyAny>> {
-    let start = start.into_pyobject(py)?;
-    // SAFETY: PySlice_New borrows its arguments (and takes its own
-    // references); it returns a new reference or NULL with an exception set.
-    unsafe {
-        Bound::from_owned_ptr_or_err(
-            py,
-            ffi::PySlice_New(start.as_ptr(), std::ptr::null_mut(), std::ptr::null_mut()),
-        )
-    }
-}
-
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "?".into())
-}
-
-/// Encode vLLM KV cache events into a batch (identities computed here).
-/// Given `rank` and `world_size` (and the merger's `rule` and
-/// `replication_factors`), the bytes of events this rank need not carry are
-/// left out: every rank still reports every event. Fields vLLM 0.33.0 does
-/// not have (a later vLLM's, a subclass's tagged as its base) travel verbatim.
-#[pyfunction]
-#[pyo3(signature = (events, *, rank = None, world_size = None, rule = "all", replication_factors = None))]
-pub fn encode(
-    py: Python<'_>,
-    events: &Bound<'_, PyAny>,
-    rank: Option<&Bound<'_, PyAny>>,
-    world_size: Option<&Bound<'_, PyAny>>,
-    rule: &str,
-    replication_factors: Option<Vec<Bound<'_, PyAny>>>,
-) -> PyResult<PyEventBatch> {
-    let carrier = match (rank, world_size) {
-        (None, None) => None,
-        (Some(rank), Some(world_size)) => {
-            let zero = 0u64.into_pyobject(py)?.into_any();
-            let cfg = config_arg(world_size, rule, replication_factors, &zero)?;
-            // As `Merger.add`: a non-int is a TypeError, any int outside the
-            // world (however large) a RankError.
-            let r = int_arg::<usize>(rank)?
-                .filter(|&r| r < cfg.world_size)
-                .ok_or_else(|| {
-                    rank_out_of_range(
-                        py,
-                        format!("rank {rank} is outside the world [0, {})", cfg.world_size),
-                    )
-                })?;
-            Some((cfg, r))
-        }
-        _ => {
-            return Err(config(
-                py,
-                "encode: give rank and world_size together, or neither".into(),
-            ))
-        }
-    };
-    let s = schema(py)?;
-    let list = match events.cast::<PyList>() {
-        Ok(list) => list.clone(),
-        Err(_)
-            if events.is_instance_of::<pyo3::types::PyString>()
-                || events.is_instance_of::<PyBytes>() =>
-        {
-            return Err(invalid_event(
-                py,
-                format!(
-                    "events must be a sequence of events, not {}",
-                    type_name(events)
-                ),
-            ))
-        }
-        Err(_) => PyList::new(
-            py,
-            events
-                .try_iter()
-                .map_err(|_| {
-                    invalid_event(
-                        py,
-                        format!(
-                            "events must be a sequence of events, not {}",
-                            type_name(events)
-                        ),
-                    )
-                })?
-                .collect::<PyResult<Vec<_>>>()?,
-        )?,
-    };
-    let types = s.event_types.bind(py);
-    for (i, ev) in list.iter().enumerate() {
-        let ty = ev.get_type();
-        // vLLM's own classes first: the check every event takes.
-        let kind = match types.iter().position(|t| t.is(&ty)) {
-            Some(kind) => kind,
-            None => subclass_kind(&ev, types)
-                .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?,
-        };
-        check_containers(&ev, kind)
-            .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?;
-    }
-    let payload = s
-        .encoder
-        .bind(py)
-        .call_method1("encode", (&list,))
-        .map_err(|e| {
-            // msgspec's refusals (unsupported types, ints beyond 64 bits,
-            // recursion) are bad events; KeyboardInterrupt and the like are not.
-            if e.is_instance_of::<PyException>(py) {
-                invalid_event(py, format!("events do not encode: {}", e.value(py)))
-            } else {
-                e
-            }
-        })?;
-    let payload = payload.cast::<PyBytes>()?;
-    let bytes: &[u8] = payload.as_bytes();
-    let carrier = carrier.as_ref().map(|(cfg, r)| (cfg, *r));
-    let small = is_small(bytes.len() as u64, 0);
-    let batch = without_gil_unless(py, small, || Batch::encode_for(bytes, carrier))
-        .map_err(PyKvError::from)?;
-    Ok(PyEventBatch::new(Arc::new(batch)))
-}
-
-/// The position in `EVENT_TYPES` of the vLLM class `ev`'s class derives
-/// from, if it encodes as that class does (same tag in the same field).
-/// Fields such a subclass adds are fields vLLM 0.33.0 does not know: the
-/// core lets them travel verbatim, as it does a later vLLM's new fields.
-fn subclass_kind(ev: &Bound<'_, PyAny>, types: &Bound<'_, PyTuple>) -> Result<usize, String> {
-    const NAMES: [&str; 3] = ["BlockStored", "BlockRemoved", "AllBlocksCleared"];
-    let ty = ev.get_type();
-    let Some((kind, base)) = types
-        .iter()
-        .enumerate()
-        .find(|(_, t)| ty.is_subclass(t).unwrap_or(false))
-    else {
-        return Err(format!(
-            "expected BlockStored, BlockRemoved or AllBlocksCleared, got {}",
-            type_name(ev)
-        ));
-    };
-    let tagging = |t: &Bound<'_, PyAny>| -> Option<(String, String)> {
-        let config = t.getattr("__struct_config__").ok()?;
-        let tag = config.getattr("tag").ok()?.str().ok()?.to_string();
-        let field = config.getattr("tag_field").ok()?.str().ok()?.to_string();
-        Some((tag, field))
-    };
-    let (want, got) = (tagging(&base), tagging(ty.as_any()));
-    if want.is_none() || want != got {
-        let (tag, field) = got.unwrap_or_default();
-        return Err(format!(
-            "{} derives from {} but is tagged {tag:?} in field {field:?}: a subclass \
-             must encode as its base (tag={:?})",
-            type_name(ev),
-            NAMES[kind],
-            NAMES[kind],
-        ));
-    }
-    Ok(kind)
-}
-
-/// msgpack writes a list, a tuple or a set alike, and msgspec decodes each as
-/// the declared type: an event whose `list` field holds a tuple would come
-/// back different (`!=`) from what was encoded, with the same identity. So
-/// the container fields must have their declared types (`EVENT_TYPES` order:
-/// BlockStored, BlockRemoved, AllBlocksCleared). The insides of
-/// `extra_keys` entries are `Any`, written and read back as msgspec does.
-fn check_containers<'py>(ev: &Bound<'py, PyAny>, kind: usize) -> Result<(), String> {
-    let py = ev.py();
-    // Interned names: these lookups run for every event a worker encodes.
-    let block_hashes = pyo3::intern!(py, "block_hashes");
-    let token_ids = pyo3::intern!(py, "token_ids");
-    let (name, lists) = match kind {
-        0 => ("BlockStored", &[block_hashes, token_ids][..]),
-        1 => ("BlockRemoved", &[block_hashes][..]),
-        _ => return Ok(()),
-    };
-    let field = |f: &Bound<'py, pyo3::types::PyString>| -> Result<Bound<'py, PyAny>, String> {
-        ev.getattr(f).map_err(|e| format!("{name}.{f}: {e}"))
-    };
-    let wrong = |f: &Bound<'_, pyo3::types::PyString>, want: &str, got: &Bound<'_, PyAny>| {
-        format!("{name}.{f}: expected {want}, got {}", type_name(got))
-    };
-    for f in lists {
-        let v = field(f)?;
-        if !v.is_instance_of::<PyList>() {
-            return Err(wrong(f, "a list", &v));
-        }
-    }
-    if kind != 0 {
-        return Ok(());
-    }
-    // Optional lists whose items must be of one container type.
-    let optional = [
-        (pyo3::intern!(py, "extra_keys"), true),
-        (pyo3::intern!(py, "lookahead_token_ids"), false),
-    ];
-    for (f, item_is_tuple) in optional {
-        let v = field(f)?;
-        if v.is_none() {
-            continue;
-        }
-        let Ok(items) = v.cast::<PyList>() else {
-            return Err(wrong(f, "a list or None", &v));
-        };
-        for (j, item) in items.iter().enumerate() {
-            let ok = if item_is_tuple {
-                item.is_none() || item.is_instance_of::<PyTuple>()
-            } else {
-                item.is_instance_of::<PyList>()
-            };
-            if !ok {
-                let want = if item_is_tuple {
-                    "a tuple or None"
-                } else {
-                    "a list"
-                };
-                return Err(format!(
-                    "{name}.{f}: item {j}: expected {want}, got {}",
-                    type_name(&item)
-                ));
-            }
-        }
-    }
-    Ok(())
 }

@@ -1,5 +1,6 @@
 //! One exception hierarchy, and the single place where core errors become
-//! Python exceptions.
+//! Python exceptions. The classes' docstrings are _kvmerge.pyi's, word for
+//! word (exceptions made at run time need theirs here too).
 
 use kvmerge_core::Error;
 use pyo3::create_exception;
@@ -63,7 +64,7 @@ subclass!(
     incomplete_batch_error,
     "IncompleteBatchError",
     PyValueError,
-    "A batch some of whose events' bytes other ranks carry: it can be merged, not read."
+    "A batch that does not carry all of its events' bytes (other ranks carry them): it can be merged, not read."
 );
 subclass!(
     group_error,
@@ -76,7 +77,7 @@ subclass!(
     capacity_error,
     "CapacityError",
     PyValueError,
-    "A report the merger cannot take: with it, one step's merged output could exceed a batch's 4 GiB limit."
+    "A batch the merger cannot take: with it, one step's merged output could exceed a batch's 4 GiB limit (`Merger.add`; drop the batch)."
 );
 
 /// A core error on its way to Python (polars' `PyPolarsErr` pattern).
@@ -102,7 +103,7 @@ impl From<PyKvError> for PyErr {
             let message = e.0.to_string();
             let class = match e.0 {
                 Error::CorruptBatch(_) => corrupt_batch_error(py),
-                Error::InvalidEvent { .. } | Error::InvalidEvents(_) => invalid_event_error(py),
+                Error::InvalidEvent { .. } | Error::InvalidPayload(_) => invalid_event_error(py),
                 Error::Config(_) => config_error(py),
                 Error::RankOutOfRange { .. } | Error::DuplicateRank { .. } => rank_error(py),
                 Error::GroupOutOfRange { .. } => group_error(py),

@@ -1,8 +1,11 @@
-//! Python bindings of kvmerge-core: a thin layer that extracts Rust values,
-//! releases the GIL for the core's work, and maps errors to one exception
-//! hierarchy.
+//! Python bindings of kvmerge-core: a thin layer that extracts Rust values
+//! (`convert`), releases the GIL for the core's work (`gil`), and maps errors
+//! to one exception hierarchy (`errors`). The Python-facing documentation is
+//! `python/kvmerge/_kvmerge.pyi`.
 
 mod batch;
+mod convert;
+mod encode;
 mod errors;
 mod gil;
 mod merger;
@@ -26,7 +29,7 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batch::PyEventBatch>()?;
     m.add_class::<merger::PyMerger>()?;
     m.add_class::<merger::PyMergerStats>()?;
-    m.add_function(wrap_pyfunction!(batch::encode, m)?)?;
+    m.add_function(wrap_pyfunction!(encode::encode, m)?)?;
     m.add_function(wrap_pyfunction!(batch::_borrow_buffers, m)?)?;
     Ok(())
 }

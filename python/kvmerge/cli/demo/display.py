@@ -17,7 +17,7 @@ from typing import Any
 
 
 @dataclass
-class LaneRow:
+class ChildRow:
     name: str
     rule: str
     reports: int = 0
@@ -27,12 +27,24 @@ class LaneRow:
     cleared: int = 0
 
 
+def total(rows: Sequence[ChildRow]) -> ChildRow:
+    """A "total" row: the counters of ``rows`` summed."""
+    out = ChildRow("total", "")
+    for row in rows:
+        out.reports += row.reports
+        out.published += row.published
+        out.pending += row.pending
+        out.expired += row.expired
+        out.cleared += row.cleared
+    return out
+
+
 @dataclass
 class Snapshot:
     step: int
     total: int
     elapsed: float
-    lanes: list[LaneRow] = field(default_factory=list)
+    children: list[ChildRow] = field(default_factory=list)
     p50_ms: float | None = None
     p99_ms: float | None = None
     batches: int = 0
@@ -69,7 +81,7 @@ def plain_table(
     return "\n".join(lines)
 
 
-LANE_HEADERS = (
+CHILD_HEADERS = (
     "connector",
     "rule",
     "events in",
@@ -80,15 +92,15 @@ LANE_HEADERS = (
 )
 
 
-def lane_cells(lane: LaneRow) -> list[str]:
+def child_cells(row: ChildRow) -> list[str]:
     return [
-        lane.name,
-        lane.rule,
-        f"{lane.reports:,}",
-        f"{lane.published:,}",
-        f"{lane.pending:,}",
-        f"{lane.expired:,}",
-        f"{lane.cleared:,}",
+        row.name,
+        row.rule,
+        f"{row.reports:,}",
+        f"{row.published:,}",
+        f"{row.pending:,}",
+        f"{row.expired:,}",
+        f"{row.cleared:,}",
     ]
 
 
@@ -128,12 +140,7 @@ class PlainDisplay:
             return
         while self._next <= s.step:
             self._next += max(1, self._total // 10)
-        totals = LaneRow("", "")
-        for lane in s.lanes:
-            totals.reports += lane.reports
-            totals.published += lane.published
-            totals.pending += lane.pending
-            totals.expired += lane.expired
+        totals = total(s.children)
         body = (
             f"events in {totals.reports:,}, out {totals.published:,}, pending "
             f"{totals.pending:,}, expired {totals.expired:,}; step p50 "
@@ -199,10 +206,10 @@ class RichDisplay:
         from rich.table import Table
 
         table = Table(title=None, expand=False)
-        for i, h in enumerate(LANE_HEADERS):
+        for i, h in enumerate(CHILD_HEADERS):
             table.add_column(h, justify="right" if i >= 2 else "left")
-        for lane in s.lanes:
-            table.add_row(*lane_cells(lane))
+        for row in s.children:
+            table.add_row(*child_cells(row))
         footer = (
             f"engine step: p50 {fmt_ms(s.p50_ms)}, p99 {fmt_ms(s.p99_ms)}"
             f"   prefix-cache resets: {s.resets}\n"

@@ -24,15 +24,16 @@ import time
 from typing import Any
 
 from .display import (
-    LANE_HEADERS,
-    LaneRow,
+    CHILD_HEADERS,
+    ChildRow,
     PlainDisplay,
     RichDisplay,
     Snapshot,
+    child_cells,
     fmt_ms,
-    lane_cells,
     make_display,
     percentile,
+    total,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -236,21 +237,21 @@ class _Demo:
         self.steps_s = time.monotonic() - t0
         return step
 
-    def _lanes(self, merge_stats: list[Any], reports: list[int]) -> list[LaneRow]:
+    def _children(self, merge_stats: list[Any], reports: list[int]) -> list[ChildRow]:
         from kvmerge.sim.children import FAMILY
 
         rows = []
-        for lane, kind in enumerate(self.args.connectors):
-            row = LaneRow(FAMILY[kind].cls.__name__, _rule_text(kind, self.args))
-            st = merge_stats[lane] if lane < len(merge_stats) else None
+        for index, kind in enumerate(self.args.connectors):
+            row = ChildRow(FAMILY[kind].cls.__name__, _rule_text(kind, self.args))
+            st = merge_stats[index] if index < len(merge_stats) else None
             if st:
                 row.reports = st["reports"]
                 row.published = st["published"]
                 row.pending = st["pending"]
                 row.expired = st["expired"]
                 row.cleared = st["cleared"]
-            elif lane < len(reports):
-                row.reports = reports[lane]
+            elif index < len(reports):
+                row.reports = reports[index]
             rows.append(row)
         return rows
 
@@ -262,7 +263,7 @@ class _Demo:
             step=step,
             total=self.args.steps,
             elapsed=time.monotonic() - t0,
-            lanes=self._lanes(run.merge_stats(), []),
+            children=self._children(run.merge_stats(), []),
             p50_ms=None if p50 is None else p50 / 1e6,
             p99_ms=None if p99 is None else p99 / 1e6,
             batches=sub.batches,
@@ -282,17 +283,10 @@ class _Demo:
             f"{r.preempted:,} preempted, {r.resets} prefix-cache resets; "
             f"{time.monotonic() - self.started:.1f}s in all, start-up included"
         )
-        lanes = self._lanes(r.merge_stats, r.reports)
-        tot = LaneRow("total", "")
-        for lane in lanes:
-            tot.reports += lane.reports
-            tot.published += lane.published
-            tot.pending += lane.pending
-            tot.expired += lane.expired
-            tot.cleared += lane.cleared
+        children = self._children(r.merge_stats, r.reports)
         d.table(
-            LANE_HEADERS,
-            [lane_cells(lane) for lane in [*lanes, tot]],
+            CHILD_HEADERS,
+            [child_cells(row) for row in [*children, total(children)]],
             right=(2, 3, 4, 5, 6),
         )
         ns = sorted(r.step_ns)

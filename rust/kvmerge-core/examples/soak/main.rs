@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use kvmerge_core::msgpack::write_array_header;
 use kvmerge_core::testing::{clear, stored_with};
-use kvmerge_core::{Batch, Identity, Merger, MergerConfig, Rule, Stats};
+use kvmerge_core::{Batch, Carriers, Identity, Merger, MergerConfig, Rule, Stats};
 use reference::{Counters, Event, Kind, Reference};
 
 struct Args {
@@ -184,7 +184,9 @@ fn counters(s: Stats) -> Counters {
     }
 }
 
-struct Lane {
+/// One rule's merger, its reference model, and the most reports it held
+/// pending.
+struct RuleCheck {
     rule: Rule,
     merger: Merger,
     model: Reference,
@@ -202,17 +204,19 @@ fn main() -> ExitCode {
     let (w, window) = (args.world, args.window);
     // Group 1 is replicated on half the ranks under "quorum".
     let factors = vec![1, (w as u32 / 2).max(1)];
-    let mut lanes: Vec<Lane> = [Rule::All, Rule::Quorum, Rule::Any]
+    let mut checks: Vec<RuleCheck> = [Rule::All, Rule::Quorum, Rule::Any]
         .into_iter()
         .map(|rule| {
             let f = (rule == Rule::Quorum).then(|| factors.clone());
             let cfg = MergerConfig {
-                world_size: w,
-                rule,
-                replication_factors: f.clone(),
+                carriers: Carriers {
+                    world_size: w,
+                    rule,
+                    replication_factors: f.clone(),
+                },
                 max_pending_steps: window,
             };
-            Lane {
+            RuleCheck {
                 rule,
                 merger: Merger::new(cfg).expect("valid config"),
                 model: Reference::new(w, rule, f, window),
@@ -313,49 +317,51 @@ fn main() -> ExitCode {
             adds.push((r, Arc::new(batch), events));
         }
 
-        // 4. Every lane merges the same batches; its model must agree.
-        for lane in &mut lanes {
+        // 4. Every rule's merger merges the same batches; its model must agree.
+        for check in &mut checks {
             for (r, batch, events) in &adds {
-                lane.merger
+                check
+                    .merger
                     .add(*r as i64, batch.clone())
                     .expect("valid add");
-                lane.model
+                check
+                    .model
                     .add(*r as i64, events.clone())
                     .expect("valid add");
             }
-            let out = lane.merger.finish_step();
-            let want = lane.model.finish_step();
+            let out = check.merger.finish_step();
+            let want = check.model.finish_step();
             if !out.identities().eq(want.iter().copied()) {
                 eprintln!(
                     "soak: step {step}, rule {:?}: published {} events, the model {}",
-                    lane.rule.name(),
+                    check.rule.name(),
                     out.len(),
                     want.len()
                 );
                 return ExitCode::FAILURE;
             }
-            let s = lane.merger.stats();
+            let s = check.merger.stats();
             if s.reports != s.consumed + s.cleared + s.expired + s.pending {
                 eprintln!("soak: step {step}: counter identity broken: {s:?}");
                 return ExitCode::FAILURE;
             }
-            if counters(s) != lane.model.counters() {
+            if counters(s) != check.model.counters() {
                 eprintln!(
                     "soak: step {step}, rule {:?}: counters {s:?}, model {:?}",
-                    lane.rule.name(),
-                    lane.model.counters()
+                    check.rule.name(),
+                    check.model.counters()
                 );
                 return ExitCode::FAILURE;
             }
-            lane.max_pending = lane.max_pending.max(s.pending);
+            check.max_pending = check.max_pending.max(s.pending);
         }
 
         // 5. Now and then, the connector's reset_cache.
         if step % 200_000 == 100_000 {
             resets += 1;
-            for lane in &mut lanes {
-                lane.merger.reset();
-                lane.model.reset();
+            for check in &mut checks {
+                check.merger.reset();
+                check.model.reset();
             }
         }
 
@@ -419,12 +425,12 @@ fn main() -> ExitCode {
         mib(max_after_warm)
     );
     println!("rule    | published (model)   | reports   | consumed  | cleared | expired | pending | max pending");
-    for lane in &lanes {
-        let s = lane.merger.stats();
-        let m = lane.model.counters();
+    for check in &checks {
+        let s = check.merger.stats();
+        let m = check.model.counters();
         println!(
             "{:<7} | {:>9} ({:>9}) | {:>9} | {:>9} | {:>7} | {:>7} | {:>7} | {:>11}",
-            lane.rule.name(),
+            check.rule.name(),
             s.published,
             m.published,
             s.reports,
@@ -432,7 +438,7 @@ fn main() -> ExitCode {
             s.cleared,
             s.expired,
             s.pending,
-            lane.max_pending
+            check.max_pending
         );
     }
     let growth = mib(max_after_warm) - mib(warm.1);

@@ -4,9 +4,11 @@
 
 use std::sync::Arc;
 
-use super::{Merger, Published, Rule};
+use super::published::Published;
+use super::state::Merger;
 use crate::batch::Batch;
 use crate::identity::IdentitySet;
+use crate::rule::Rule;
 use crate::schema::EventKind;
 
 pub(super) fn applies(m: &Merger) -> bool {
@@ -20,12 +22,12 @@ pub(super) fn applies(m: &Merger) -> bool {
 }
 
 pub(super) fn finish(m: &mut Merger) -> Published {
-    let w = m.cfg.world_size;
+    let w = m.cfg.carriers.world_size;
     let last = m.incoming[w - 1].clone().expect("applies() checked");
     m.stats.consumed += (w * last.len()) as u64;
-    match m.cfg.rule {
+    match m.cfg.carriers.rule {
         // Every report completes, in order: the output is the batch itself.
-        Rule::All if last.elided() == 0 => Published::whole(&last),
+        Rule::All if last.uncarried() == 0 => Published::whole(&last),
         Rule::All => carried(m, 0..last.len()),
         Rule::Quorum => {
             let mut seen = IdentitySet::default();
@@ -44,16 +46,13 @@ pub(super) fn finish(m: &mut Merger) -> Published {
 }
 
 /// The events at `indices` (equal on every rank), each taken from a rank
-/// whose batch carries its bytes; `check_elided` guarantees there is one.
+/// whose batch carries its bytes; `check_carriers` guarantees there is one.
 fn carried(m: &Merger, indices: impl Iterator<Item = usize>) -> Published {
     let batches: Vec<&Arc<Batch>> = m.incoming.iter().flatten().collect();
     Published::new(
         indices
             .map(|i| {
-                let carrier = batches
-                    .iter()
-                    .find(|b| b.has_bytes(i))
-                    .unwrap_or(&batches[0]);
+                let carrier = batches.iter().find(|b| b.carries(i)).unwrap_or(&batches[0]);
                 ((*carrier).clone(), i as u32)
             })
             .collect(),

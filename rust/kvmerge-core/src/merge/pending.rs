@@ -1,11 +1,11 @@
-//! The pending reports: per rank a FIFO lane of reports in position order,
+//! The pending reports: per rank a FIFO queue of reports in position order,
 //! and (in indexed mode) per identity, per rank, the list of its eligible
-//! reports threaded through the lane, so a step only visits the identities
+//! reports threaded through the queue, so a step only visits the identities
 //! its new, completing, cleared or expiring reports touch.
 
 use std::collections::VecDeque;
 
-use super::{Position, Publication, Report};
+use super::report::{Position, Publication, Report};
 use crate::identity::{Identity, IdentityMap};
 
 /// No next report in an identity's list.
@@ -23,14 +23,14 @@ pub(super) struct Node {
 /// rank (`base` is the front's); used or cleared reports in the middle stay
 /// as dead nodes until they reach the front.
 #[derive(Default)]
-pub(super) struct Lane {
+pub(super) struct Queue {
     pub nodes: VecDeque<Node>,
     pub base: u64,
     /// Sequence numbers of the live clears, in order: the first is the fence.
     pub clears: VecDeque<u64>,
 }
 
-impl Lane {
+impl Queue {
     pub fn end(&self) -> u64 {
         self.base + self.nodes.len() as u64
     }
@@ -83,7 +83,7 @@ impl Lane {
     }
 }
 
-/// One rank's eligible reports of one identity: a list through its lane.
+/// One rank's eligible reports of one identity: a list through its queue.
 #[derive(Clone, Copy)]
 pub(super) struct RankList {
     pub rank: u32,
@@ -115,9 +115,9 @@ impl Index {
         self.touched.clear();
     }
 
-    /// Appends the report `seq` of `lanes[rank]` to its identity's list.
-    pub fn link(&mut self, lanes: &mut [Lane], rank: usize, seq: u64) {
-        let rep = lanes[rank].get(seq).rep;
+    /// Appends the report `seq` of `queues[rank]` to its identity's list.
+    pub fn link(&mut self, queues: &mut [Queue], rank: usize, seq: u64) {
+        let rep = queues[rank].get(seq).rep;
         let e = self.map.entry(rep.identity).or_insert_with(|| Entry {
             lists: Vec::new(),
             factor: rep.factor,
@@ -133,7 +133,7 @@ impl Index {
                 let tail = l.tail;
                 l.tail = seq;
                 l.len += 1;
-                lanes[rank].get_mut(tail).next = seq;
+                queues[rank].get_mut(tail).next = seq;
             }
             Err(k) => e.lists.insert(
                 k,
@@ -147,18 +147,18 @@ impl Index {
         }
     }
 
-    /// Links every live eligible report of `lanes[rank]` in `[from, to)`.
-    pub fn link_range(&mut self, lanes: &mut [Lane], rank: usize, from: u64, to: u64) {
+    /// Links every live eligible report of `queues[rank]` in `[from, to)`.
+    pub fn link_range(&mut self, queues: &mut [Queue], rank: usize, from: u64, to: u64) {
         for seq in from..to {
-            let n = lanes[rank].get(seq);
+            let n = queues[rank].get(seq);
             if n.live && !n.rep.clear {
-                self.link(lanes, rank, seq);
+                self.link(queues, rank, seq);
             }
         }
     }
 
     /// Removes the first report of `identity`'s list on `rank` (the caller's
-    /// report: lanes are visited front to back); `next` is its next pointer.
+    /// report: queues are visited front to back); `next` is its next pointer.
     pub fn unlink_head(&mut self, identity: &Identity, rank: usize, next: u64) {
         let e = self
             .map

@@ -18,51 +18,53 @@
 //! ranks' first positions is their greatest, the first occurrence's index
 //! being the same on every rank); its later occurrences in the segment are
 //! consumed with it. That stays a walk as long as none of them lies past
-//! the prefix (in the longer lanes' part of the last segment): `finish`
+//! the prefix (in the longer queues' part of the last segment): `finish`
 //! checks that before changing anything and otherwise declines. What is
-//! left (identities the shortest, now empty, lane lacks) cannot complete.
+//! left (identities the shortest, now empty, queue lacks) cannot complete.
 
-use super::pending::Lane;
-use super::{Merger, Position, Publication, Rule};
+use super::pending::Queue;
+use super::report::{Position, Publication};
+use super::state::Merger;
+use crate::rule::Rule;
 
-/// Whether the lanes (each `old[r]` reports long before this step's were
+/// Whether the queues (each `old[r]` reports long before this step's were
 /// appended, all of those a prefix of one sequence) still are prefixes of
 /// one sequence. Compares only what this step appended.
 /// Under "quorum", also that every appended report needs every rank.
-pub(super) fn compatible(lanes: &[Lane], old: &[usize], rule: Rule) -> bool {
+pub(super) fn compatible(queues: &[Queue], old: &[usize], rule: Rule) -> bool {
     if rule == Rule::Quorum {
-        let w = lanes.len() as u64;
-        let all_needed = lanes.iter().zip(old).all(|(lane, &from)| {
-            (from..lane.nodes.len()).all(|i| w.div_ceil(lane.nodes[i].rep.factor as u64) == w)
+        let w = queues.len() as u64;
+        let all_needed = queues.iter().zip(old).all(|(queue, &from)| {
+            (from..queue.nodes.len()).all(|i| w.div_ceil(queue.nodes[i].rep.factor as u64) == w)
         });
         if !all_needed {
             return false;
         }
     }
-    let Some(longest) = (0..lanes.len()).max_by_key(|&r| (lanes[r].nodes.len(), usize::MAX - r))
+    let Some(longest) = (0..queues.len()).max_by_key(|&r| (queues[r].nodes.len(), usize::MAX - r))
     else {
         return true;
     };
-    let reference = &lanes[longest].nodes;
-    lanes.iter().enumerate().all(|(r, lane)| {
+    let reference = &queues[longest].nodes;
+    queues.iter().enumerate().all(|(r, queue)| {
         r == longest
-            || (old[r].min(old[longest])..lane.nodes.len())
-                .all(|i| lane.nodes[i].rep.identity == reference[i].rep.identity)
+            || (old[r].min(old[longest])..queue.nodes.len())
+                .all(|i| queue.nodes[i].rep.identity == reference[i].rep.identity)
     })
 }
 
 /// Publishes the common prefix (its segments' completions in position
-/// order, each clear after its segment) and removes it from every lane.
+/// order, each clear after its segment) and removes it from every queue.
 /// Under "quorum", declines (false, nothing changed) when an identity of
 /// the prefix's last segment recurs past the prefix in that segment.
 pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<u32>) -> bool {
-    let w = m.cfg.world_size;
-    let quorum = m.cfg.rule == Rule::Quorum;
+    let w = m.cfg.carriers.world_size;
+    let quorum = m.cfg.carriers.rule == Rule::Quorum;
     let start = pubs.len();
     // Under "quorum": the identities published in the current segment.
     let mut seen = std::mem::take(&mut m.scratch);
     seen.clear();
-    let n = m.lanes.iter().map(|l| l.nodes.len()).min().unwrap_or(0);
+    let n = m.queues.iter().map(|q| q.nodes.len()).min().unwrap_or(0);
     let mut segment: Vec<(Position, Publication)> = Vec::new();
     let mut ordered = true;
     let flush = |segment: &mut Vec<(Position, Publication)>,
@@ -77,8 +79,8 @@ pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut
     let mut clears = 0;
     for i in 0..n {
         let mut best: Option<(Position, Publication)> = None;
-        for (r, lane) in m.lanes.iter().enumerate() {
-            let rep = &lane.nodes[i].rep;
+        for (r, queue) in m.queues.iter().enumerate() {
+            let rep = &queue.nodes[i].rep;
             let at = ((rep.step, rep.idx, r as u32), rep.publication());
             match &mut best {
                 None => best = Some(at),
@@ -89,7 +91,7 @@ pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut
             }
         }
         let (pos, publication) = best.expect("world_size >= 1");
-        let rep = &m.lanes[0].nodes[i].rep;
+        let rep = &m.queues[0].nodes[i].rep;
         if rep.clear {
             flush(&mut segment, &mut ordered, pubs);
             pubs.push(publication);
@@ -107,11 +109,11 @@ pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut
     flush(&mut segment, &mut ordered, pubs);
     if quorum {
         // The last segment goes on past the prefix up to the next clear;
-        // every lane there is a prefix of the longest one.
+        // every queue there is a prefix of the longest one.
         let longest = &m
-            .lanes
+            .queues
             .iter()
-            .max_by_key(|l| l.nodes.len())
+            .max_by_key(|q| q.nodes.len())
             .expect("world_size >= 1")
             .nodes;
         let recurs = (n..longest.len())
@@ -124,14 +126,14 @@ pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut
             return false;
         }
     }
-    for lane in &mut m.lanes {
+    for queue in &mut m.queues {
         for _ in 0..n {
-            let node = lane.pop_front().expect("n is the shortest lane");
+            let node = queue.pop_front().expect("n is the shortest queue");
             released.push(node.rep.slot);
         }
-        lane.clears.drain(..clears);
+        queue.clears.drain(..clears);
     }
-    m.fenced = m.lanes.iter().filter(|l| !l.clears.is_empty()).count();
+    m.fenced = m.queues.iter().filter(|q| !q.clears.is_empty()).count();
     m.stats.consumed += (w * n) as u64;
     m.live -= (w * n) as u64;
     true

@@ -11,7 +11,7 @@ pub struct Published {
 
 impl Published {
     pub(super) fn new(picks: Vec<(Arc<Batch>, u32)>) -> Published {
-        debug_assert!(picks.iter().all(|(b, i)| b.has_bytes(*i as usize)));
+        debug_assert!(picks.iter().all(|(b, i)| b.carries(*i as usize)));
         Published { picks }
     }
 

@@ -8,31 +8,35 @@
 //! fence made eligible. A step costs what it adds, uses, clears and
 //! expires, not what stays pending.
 
-use super::pending::{Index, Lane};
-use super::{prefix, Merger, Position, Publication, Published, Rule};
+use super::pending::{Index, Queue};
+use super::prefix;
+use super::published::Published;
+use super::report::{Position, Publication};
+use super::state::Merger;
+use crate::rule::Rule;
 
 pub(super) fn finish(m: &mut Merger) -> Published {
     let mut pubs = Vec::new();
     // Slots are released only after the output is gathered from them.
     let mut released = Vec::new();
-    let before: Vec<u64> = m.lanes.iter().map(Lane::end).collect();
+    let before: Vec<u64> = m.queues.iter().map(Queue::end).collect();
     m.enqueue_incoming();
     if !m.indexed {
-        let old: Vec<usize> = (m.lanes.iter().zip(&before))
-            .map(|(l, &end)| (end - l.base) as usize)
+        let old: Vec<usize> = (m.queues.iter().zip(&before))
+            .map(|(q, &end)| (end - q.base) as usize)
             .collect();
-        if prefix::compatible(&m.lanes, &old, m.cfg.rule)
+        if prefix::compatible(&m.queues, &old, m.cfg.carriers.rule)
             && prefix::finish(m, &mut pubs, &mut released)
         {
             return m.output(&pubs, released);
         }
         m.index_all();
     } else {
-        let Merger { lanes, index, .. } = m;
+        let Merger { queues, index, .. } = m;
         for (r, &from) in before.iter().enumerate() {
-            let to = lanes[r].eligible_end();
+            let to = queues[r].eligible_end();
             if from < to {
-                index.link_range(lanes, r, from, to);
+                index.link_range(queues, r, from, to);
             }
         }
     }
@@ -41,7 +45,7 @@ pub(super) fn finish(m: &mut Merger) -> Published {
 }
 
 fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<u32>) {
-    let w = m.cfg.world_size;
+    let w = m.cfg.carriers.world_size;
     loop {
         let mut done = complete(m, released);
         done.sort_unstable_by_key(|(pos, _)| *pos);
@@ -52,7 +56,7 @@ fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<
         }
         let mut clear: Option<(Position, Publication)> = None;
         let Merger {
-            lanes,
+            queues,
             index,
             stats,
             live,
@@ -60,10 +64,10 @@ fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<
             ..
         } = m;
         for r in 0..w {
-            let fence = lanes[r].clears.pop_front().expect("every rank is fenced");
+            let fence = queues[r].clears.pop_front().expect("every rank is fenced");
             // Every eligible report still pending is discarded.
-            for seq in lanes[r].base..fence {
-                let node = lanes[r].get_mut(seq);
+            for seq in queues[r].base..fence {
+                let node = queues[r].get_mut(seq);
                 if node.live {
                     node.live = false;
                     let (id, next, slot) = (node.rep.identity, node.next, node.rep.slot);
@@ -73,8 +77,8 @@ fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<
                     *live -= 1;
                 }
             }
-            let at = lanes[r].position(fence, r);
-            let node = lanes[r].get_mut(fence);
+            let at = queues[r].position(fence, r);
+            let node = queues[r].get_mut(fence);
             node.live = false;
             released.push(node.rep.slot);
             stats.consumed += 1;
@@ -86,11 +90,11 @@ fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<
                     publication.prefer_carried(at.1);
                 }
             }
-            lanes[r].pop_dead();
+            queues[r].pop_dead();
             // The reports up to the next fence become eligible.
-            let to = lanes[r].eligible_end();
-            index.link_range(lanes, r, fence + 1, to);
-            if lanes[r].clears.is_empty() {
+            let to = queues[r].eligible_end();
+            index.link_range(queues, r, fence + 1, to);
+            if queues[r].clears.is_empty() {
                 *fenced -= 1;
             }
         }
@@ -101,10 +105,10 @@ fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<
 /// Checks the touched identities, publishes those complete (with their
 /// positions) and removes the reports they use.
 fn complete(m: &mut Merger, released: &mut Vec<u32>) -> Vec<(Position, Publication)> {
-    let w = m.cfg.world_size;
-    let rule = m.cfg.rule;
+    let w = m.cfg.carriers.world_size;
+    let rule = m.cfg.carriers.rule;
     let Merger {
-        lanes,
+        queues,
         index: Index { map, touched },
         stats,
         live,
@@ -124,8 +128,8 @@ fn complete(m: &mut Merger, released: &mut Vec<u32>) -> Vec<(Position, Publicati
                     let mut best: Option<(Position, Publication)> = None;
                     for l in e.lists.iter_mut() {
                         let r = l.rank as usize;
-                        let at = lanes[r].position(l.head, r);
-                        let node = lanes[r].get_mut(l.head);
+                        let at = queues[r].position(l.head, r);
+                        let node = queues[r].get_mut(l.head);
                         node.live = false;
                         released.push(node.rep.slot);
                         l.head = node.next;
@@ -153,7 +157,7 @@ fn complete(m: &mut Merger, released: &mut Vec<u32>) -> Vec<(Position, Publicati
                     let mut firsts: Vec<(Position, Publication)> = e
                         .lists
                         .iter()
-                        .map(|l| lanes[l.rank as usize].position(l.head, l.rank as usize))
+                        .map(|l| queues[l.rank as usize].position(l.head, l.rank as usize))
                         .collect();
                     let q = (w as u64).div_ceil(e.factor as u64) as usize;
                     firsts.select_nth_unstable_by_key(q - 1, |(pos, _)| *pos);
@@ -163,10 +167,10 @@ fn complete(m: &mut Merger, released: &mut Vec<u32>) -> Vec<(Position, Publicati
                     }
                     done.push((pos, publication));
                     for l in e.lists.drain(..) {
-                        let lane = &mut lanes[l.rank as usize];
+                        let queue = &mut queues[l.rank as usize];
                         let mut seq = l.head;
                         for _ in 0..l.len {
-                            let node = lane.get_mut(seq);
+                            let node = queue.get_mut(seq);
                             node.live = false;
                             released.push(node.rep.slot);
                             seq = node.next;

@@ -3,13 +3,17 @@ use std::sync::Arc;
 use proptest::prelude::*;
 
 use super::*;
+use crate::carriers::{Carriers, MAX_WORLD_SIZE};
+use crate::identity::Identity;
 use crate::testing::{batch, clear, payload, removed, stored, stored_with, with_field, Ev};
 
 fn merger(w: usize, rule: Rule, factors: Option<Vec<u32>>, pending: u64) -> Merger {
     Merger::new(MergerConfig {
-        world_size: w,
-        rule,
-        replication_factors: factors,
+        carriers: Carriers {
+            world_size: w,
+            rule,
+            replication_factors: factors,
+        },
         max_pending_steps: pending,
     })
     .unwrap()
@@ -159,17 +163,16 @@ fn add_all_is_all_or_nothing() {
 
 #[test]
 fn config_is_checked() {
+    let with_factors = |rule, factors| {
+        let mut cfg = MergerConfig::new(2, rule);
+        cfg.carriers.replication_factors = Some(factors);
+        cfg
+    };
     let bad = [
         MergerConfig::new(0, Rule::All),
         MergerConfig::new(2, Rule::Quorum),
-        MergerConfig {
-            replication_factors: Some(vec![1, 0]),
-            ..MergerConfig::new(2, Rule::Quorum)
-        },
-        MergerConfig {
-            replication_factors: Some(vec![1]),
-            ..MergerConfig::new(2, Rule::Any)
-        },
+        with_factors(Rule::Quorum, vec![1, 0]),
+        with_factors(Rule::Any, vec![1]),
     ];
     for cfg in bad {
         assert!(matches!(Merger::new(cfg), Err(Error::Config(_))));
@@ -343,7 +346,7 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
-    /// Ranks that leave out the bytes other ranks carry change nothing: the
+    /// Ranks that do not carry the bytes other ranks carry change nothing: the
     /// same events, the same bytes, the same counters, on either path.
     #[test]
     fn leaving_bytes_to_carriers_changes_nothing(
@@ -356,19 +359,19 @@ proptest! {
         let factors = (rule == Rule::Quorum).then(|| vec![1, 2]);
         let mut full = merger(4, rule, factors.clone(), pending);
         let mut lean = merger(4, rule, factors, pending);
-        let cfg = lean.config().clone();
+        let carriers = lean.config().carriers.clone();
         for (s, reports) in steps.iter().enumerate() {
             for r in 0..4 {
                 let evs = step_events(reports, if identical[s] { 0 } else { r });
                 if let Some(evs) = evs {
                     full.add(r as i64, Arc::new(batch(&evs))).unwrap();
-                    let b = Batch::encode_for(&payload(&evs), Some((&cfg, r))).unwrap();
+                    let b = Batch::encode_for(&payload(&evs), Some((&carriers, r))).unwrap();
                     lean.add(r as i64, Arc::new(b)).unwrap();
                 }
             }
             let x = full.finish_step();
             let y = if general { lean.finish_step_general() } else { lean.finish_step() };
-            prop_assert_eq!(y.elided(), 0);
+            prop_assert_eq!(y.uncarried(), 0);
             prop_assert_eq!(ids(&x), ids(&y));
             prop_assert_eq!(x.payload(), y.payload());
             prop_assert_eq!(full.stats(), lean.stats());
@@ -399,10 +402,10 @@ fn unknown_fields_travel_verbatim_and_take_part_in_the_identity() {
         for general in [false, true] {
             for lean in [false, true] {
                 let mut m = merger(4, rule, factors.clone(), 1);
-                let cfg = m.config().clone();
+                let carriers = m.config().carriers.clone();
                 for r in 0..4 {
                     let b = if lean {
-                        Batch::encode_for(&payload(&seq), Some((&cfg, r))).unwrap()
+                        Batch::encode_for(&payload(&seq), Some((&carriers, r))).unwrap()
                     } else {
                         batch(&seq)
                     };
@@ -428,14 +431,14 @@ fn unknown_fields_travel_verbatim_and_take_part_in_the_identity() {
 }
 
 #[test]
-fn leaving_out_bytes_a_rank_must_carry_is_refused() {
+fn not_carrying_bytes_a_rank_must_carry_is_refused() {
     let evs: Vec<Ev> = (3..40).map(removed).collect();
-    // Encoded for a world of 4, added to a merger of 2: rank 0 leaves out
-    // the events a world of 4 gives to ranks 2 and 3, some of which a world
-    // of 2 gives to rank 0.
-    let four = MergerConfig::new(4, Rule::All);
+    // Encoded for a world of 4, added to a merger of 2: rank 0 does not
+    // carry the events a world of 4 gives to ranks 2 and 3, some of which a
+    // world of 2 gives to rank 0.
+    let four = Carriers::new(4, Rule::All);
     let b = Arc::new(Batch::encode_for(&payload(&evs), Some((&four, 0))).unwrap());
-    assert!(b.elided() > 0);
+    assert!(b.uncarried() > 0);
     let mut m = merger(2, Rule::All, None, 2);
     let before = m.stats();
     let err = m.add(0, b.clone()).unwrap_err();
@@ -452,12 +455,12 @@ fn leaving_out_bytes_a_rank_must_carry_is_refused() {
 #[test]
 fn encode_for_checks_its_config() {
     let p = payload(&[removed(3)]);
-    let cfg = MergerConfig::new(2, Rule::All);
+    let carriers = Carriers::new(2, Rule::All);
     assert!(matches!(
-        Batch::encode_for(&p, Some((&cfg, 2))),
+        Batch::encode_for(&p, Some((&carriers, 2))),
         Err(Error::RankOutOfRange { .. })
     ));
-    let bad = MergerConfig::new(2, Rule::Quorum);
+    let bad = Carriers::new(2, Rule::Quorum);
     assert!(matches!(
         Batch::encode_for(&p, Some((&bad, 0))),
         Err(Error::Config(_))
@@ -499,13 +502,13 @@ fn world_size_is_bounded() {
         );
     }
     let m = Merger::new(MergerConfig::new(MAX_WORLD_SIZE, Rule::Any)).unwrap();
-    assert_eq!(m.config().world_size, MAX_WORLD_SIZE);
+    assert_eq!(m.config().carriers.world_size, MAX_WORLD_SIZE);
 }
 
 /// One step's output is one batch (32-bit offsets). Reported by issue 12:
 /// world 2, rule "all", one rank adding the same 4 MiB event for 1,024
 /// steps, then the other rank's batch completing all of them, made a merged
-/// output over 4 GiB, and `finish_step` panicked building it. Now the report
+/// output over 4 GiB, and `finish_step` panicked building it. Now the batch
 /// that would let the pending reports' bytes exceed one batch is refused,
 /// with nothing changed.
 #[test]

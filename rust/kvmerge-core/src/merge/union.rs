@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use super::{Merger, Published};
+use super::published::Published;
+use super::state::Merger;
 use crate::batch::Batch;
 use crate::identity::IdentitySet;
 use crate::schema::EventKind;

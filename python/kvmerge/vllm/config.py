@@ -1,4 +1,5 @@
-"""Which merge rule each MultiConnector child gets, and the settings behind it.
+"""The KVMergeMultiConnector's settings: which merge rule each MultiConnector
+child gets, and the settings behind it.
 
 A child's rule comes from its ``kv_connector_extra_config["kv_events_merge"]``
 when set, else from the type of the container its worker side returns:
@@ -14,7 +15,7 @@ anything else              ``"native"`` the child's own container and methods
 =========================  ==========  =========================================
 
 The worker and the scheduler read the same configuration, so both sides agree
-on which lanes are encoded and which carry the child's own container.
+on which children are encoded and which carry the child's own container.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeAlias, TypeGuard
+from typing import Any, Final, Literal, TypeAlias, TypeGuard, get_args
 
-from kvmerge import ConfigError
+from kvmerge import DEFAULT_MAX_PENDING_STEPS, RULES, ConfigError, Rule
 
 #: Keys read from a child's ``kv_connector_extra_config``.
 MERGE_KEY: Final = "kv_events_merge"
@@ -33,21 +34,25 @@ FACTORS_KEY: Final = "kv_events_replication_factors"
 MAX_PENDING_KEY: Final = "max_pending_steps"
 OUTPUT_KEY: Final = "kv_events_output"
 
-MergedRule: TypeAlias = Literal["all", "quorum", "any"]
-MERGED_RULES: Final[tuple[MergedRule, ...]] = ("all", "quorum", "any")
+#: What a child's ``kv_events_merge`` may say: a ``kvmerge.Merger`` rule, or
+#: "native" (the child's own container and methods).
+ChildRule: TypeAlias = Literal[Rule, "native"]
+CHILD_RULES: Final[tuple[ChildRule, ...]] = (*RULES, "native")
+#: How the scheduler treats a child: merged by a ``kvmerge.Merger``, or native.
+Mode: TypeAlias = Literal["merge", "native"]
+#: What ``take_events`` yields for merged events (``kv_events_output``).
+Output: TypeAlias = Literal["raw", "objects"]
+OUTPUTS: Final[tuple[Output, ...]] = get_args(Output)
 
 
-def is_merged(rule: str | None) -> TypeGuard[MergedRule]:
+def is_merged(rule: str | None) -> TypeGuard[Rule]:
     """Whether ``rule`` is one a ``kvmerge.Merger`` applies."""
-    return rule in MERGED_RULES
+    return rule in RULES
 
 
-RULES: Final = (*MERGED_RULES, "native")
-OUTPUTS: Final = ("raw", "objects")
-#: Same default as ``kvmerge.Merger``.
-DEFAULT_MAX_PENDING_STEPS: Final = 32
-
-# Lane kinds recorded by the worker for each child's container.
+#: The kind of a child's container, as the worker records it for each child
+#: (plain strings: they travel pickled in every ``WorkerOutput``).
+Kind: TypeAlias = Literal["lmcache", "mooncake", "umbp", "other", "native", "refused"]
 KIND_LMCACHE: Final = "lmcache"
 KIND_MOONCAKE: Final = "mooncake"
 KIND_UMBP: Final = "umbp"
@@ -57,10 +62,12 @@ KIND_OTHER: Final = "other"
 KIND_NATIVE: Final = "native"
 #: The worker could not encode the child's events: the payload says why.
 KIND_REFUSED: Final = "refused"
-#: Kinds whose lane carries an ``EventBatch``.
-ENCODED_KINDS: Final = frozenset({KIND_LMCACHE, KIND_MOONCAKE, KIND_UMBP, KIND_OTHER})
+#: Kinds whose child carries an ``EventBatch``.
+ENCODED_KINDS: Final[frozenset[Kind]] = frozenset(
+    {KIND_LMCACHE, KIND_MOONCAKE, KIND_UMBP, KIND_OTHER}
+)
 
-_KNOWN_CONTAINERS: Final = (
+_KNOWN_CONTAINERS: Final[tuple[tuple[str, str, Kind], ...]] = (
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
         "LMCacheKVEvents",
@@ -78,7 +85,7 @@ _KNOWN_CONTAINERS: Final = (
     ),
 )
 
-INFERRED_RULES: Final[Mapping[str, str]] = {
+INFERRED_RULES: Final[Mapping[Kind, ChildRule]] = {
     KIND_LMCACHE: "all",
     KIND_MOONCAKE: "quorum",
     KIND_UMBP: "any",
@@ -87,7 +94,7 @@ INFERRED_RULES: Final[Mapping[str, str]] = {
 }
 
 
-def container_kind(container: object) -> str:
+def container_kind(container: object) -> Kind:
     """The kind of a child's container: one of the known vLLM types, else other.
 
     Looks the classes up in ``sys.modules`` instead of importing them: a
@@ -117,12 +124,12 @@ def container_factors(container: object, connector: object) -> tuple[int, ...] |
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """What the configuration says about one child (lane), by position."""
+    """What the configuration says about one child, by position."""
 
     index: int
     name: str
     #: The configured rule, or None to infer it from the container type.
-    rule: str | None
+    rule: ChildRule | None
     #: Configured replication factors (rule "quorum"), or None.
     factors: tuple[int, ...] | None
 
@@ -130,8 +137,8 @@ class ChildSpec:
     def label(self) -> str:
         return f"connectors[{self.index}] ({self.name})"
 
-    def rule_for(self, kind: str) -> str:
-        """The rule this child's lane merges with, given its container kind:
+    def rule_for(self, kind: Kind) -> ChildRule:
+        """The rule this child merges with, given its container kind:
         the configured one, else the one the kind implies (the worker, which
         decides whose bytes travel, and the scheduler must agree)."""
         return self.rule or INFERRED_RULES[kind]
@@ -148,7 +155,7 @@ class ChildSpec:
 class MultiSpec:
     children: tuple[ChildSpec, ...]
     max_pending_steps: int
-    output: str
+    output: Output
 
 
 def _prefix(where: str) -> str:
@@ -165,10 +172,10 @@ def parse_child(index: int, ktc: Mapping[str, Any]) -> ChildSpec:
             f"got {type(extra).__name__}"
         )
     rule = extra.get(MERGE_KEY)
-    if rule is not None and rule not in RULES:
+    if rule is not None and rule not in CHILD_RULES:
         raise ConfigError(
             f"{_prefix(label)}: {MERGE_KEY}={rule!r} is not a merge rule; "
-            f"use one of {', '.join(repr(r) for r in RULES)}"
+            f"use one of {', '.join(repr(r) for r in CHILD_RULES)}"
         )
     raw_factors = extra.get(FACTORS_KEY)
     factors: tuple[int, ...] | None = None

@@ -1,0 +1,206 @@
+//! `encode`, the worker's entry point: vLLM's events, checked, encoded by
+//! msgspec and made a batch by the core.
+
+use std::sync::Arc;
+
+use kvmerge_core::Batch;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+
+use crate::batch::PyEventBatch;
+use crate::convert::{carriers_arg, rank_in_world, type_name};
+use crate::errors::{config, invalid_event};
+use crate::gil::{self, is_small};
+use crate::schema::schema;
+
+// Documented in _kvmerge.pyi.
+#[pyfunction]
+#[pyo3(signature = (events, *, rank = None, world_size = None, rule = "all", replication_factors = None))]
+pub fn encode(
+    py: Python<'_>,
+    events: &Bound<'_, PyAny>,
+    rank: Option<&Bound<'_, PyAny>>,
+    world_size: Option<&Bound<'_, PyAny>>,
+    rule: &str,
+    replication_factors: Option<Vec<Bound<'_, PyAny>>>,
+) -> PyResult<PyEventBatch> {
+    let carrier = match (rank, world_size) {
+        (None, None) => None,
+        (Some(rank), Some(world_size)) => {
+            let carriers = carriers_arg(world_size, rule, replication_factors)?;
+            // As `Merger.add`: a non-int is a TypeError, any int outside the
+            // world (however large) a RankError.
+            let r = rank_in_world(rank, carriers.world_size)?;
+            Some((carriers, r))
+        }
+        _ => {
+            return Err(config(
+                py,
+                "encode: give rank and world_size together, or neither".into(),
+            ))
+        }
+    };
+    let s = schema(py)?;
+    let list = match events.cast::<PyList>() {
+        Ok(list) => list.clone(),
+        Err(_) if events.is_instance_of::<PyString>() || events.is_instance_of::<PyBytes>() => {
+            return Err(invalid_event(
+                py,
+                format!(
+                    "events must be a sequence of events, not {}",
+                    type_name(events)
+                ),
+            ))
+        }
+        Err(_) => PyList::new(
+            py,
+            events
+                .try_iter()
+                .map_err(|_| {
+                    invalid_event(
+                        py,
+                        format!(
+                            "events must be a sequence of events, not {}",
+                            type_name(events)
+                        ),
+                    )
+                })?
+                .collect::<PyResult<Vec<_>>>()?,
+        )?,
+    };
+    let types = s.event_types.bind(py);
+    for (i, ev) in list.iter().enumerate() {
+        let ty = ev.get_type();
+        // vLLM's own classes first: the check every event takes.
+        let kind = match types.iter().position(|t| t.is(&ty)) {
+            Some(kind) => kind,
+            None => subclass_kind(&ev, types)
+                .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?,
+        };
+        check_containers(&ev, kind)
+            .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?;
+    }
+    let payload = s
+        .encoder
+        .bind(py)
+        .call_method1("encode", (&list,))
+        .map_err(|e| {
+            // msgspec's refusals (unsupported types, ints beyond 64 bits,
+            // recursion) are bad events; KeyboardInterrupt and the like are not.
+            if e.is_instance_of::<PyException>(py) {
+                invalid_event(py, format!("events do not encode: {}", e.value(py)))
+            } else {
+                e
+            }
+        })?;
+    let payload = payload.cast::<PyBytes>()?;
+    let bytes: &[u8] = payload.as_bytes();
+    let carrier = carrier.as_ref().map(|(carriers, r)| (carriers, *r));
+    let small = is_small(bytes.len() as u64, 0);
+    let batch = gil::run(py, small, || Batch::encode_for(bytes, carrier))?;
+    Ok(PyEventBatch::new(Arc::new(batch)))
+}
+
+/// The position in `EVENT_TYPES` of the vLLM class `ev`'s class derives
+/// from, if it encodes as that class does (same tag in the same field).
+/// Fields such a subclass adds are fields vLLM 0.33.0 does not know: the
+/// core lets them travel verbatim, as it does a later vLLM's new fields.
+fn subclass_kind(ev: &Bound<'_, PyAny>, types: &Bound<'_, PyTuple>) -> Result<usize, String> {
+    const NAMES: [&str; 3] = ["BlockStored", "BlockRemoved", "AllBlocksCleared"];
+    let ty = ev.get_type();
+    let Some((kind, base)) = types
+        .iter()
+        .enumerate()
+        .find(|(_, t)| ty.is_subclass(t).unwrap_or(false))
+    else {
+        return Err(format!(
+            "expected BlockStored, BlockRemoved or AllBlocksCleared, got {}",
+            type_name(ev)
+        ));
+    };
+    let tagging = |t: &Bound<'_, PyAny>| -> Option<(String, String)> {
+        let config = t.getattr("__struct_config__").ok()?;
+        let tag = config.getattr("tag").ok()?.str().ok()?.to_string();
+        let field = config.getattr("tag_field").ok()?.str().ok()?.to_string();
+        Some((tag, field))
+    };
+    let (want, got) = (tagging(&base), tagging(ty.as_any()));
+    if want.is_none() || want != got {
+        let (tag, field) = got.unwrap_or_default();
+        return Err(format!(
+            "{} derives from {} but is tagged {tag:?} in field {field:?}: a subclass \
+             must encode as its base (tag={:?})",
+            type_name(ev),
+            NAMES[kind],
+            NAMES[kind],
+        ));
+    }
+    Ok(kind)
+}
+
+/// msgpack writes a list, a tuple or a set alike, and msgspec decodes each as
+/// the declared type: an event whose `list` field holds a tuple would come
+/// back different (`!=`) from what was encoded, with the same identity. So
+/// the container fields must have their declared types (`EVENT_TYPES` order:
+/// BlockStored, BlockRemoved, AllBlocksCleared). The insides of
+/// `extra_keys` entries are `Any`, written and read back as msgspec does.
+fn check_containers<'py>(ev: &Bound<'py, PyAny>, kind: usize) -> Result<(), String> {
+    let py = ev.py();
+    // Interned names: these lookups run for every event a worker encodes.
+    let block_hashes = pyo3::intern!(py, "block_hashes");
+    let token_ids = pyo3::intern!(py, "token_ids");
+    let (name, lists) = match kind {
+        0 => ("BlockStored", &[block_hashes, token_ids][..]),
+        1 => ("BlockRemoved", &[block_hashes][..]),
+        _ => return Ok(()),
+    };
+    let field = |f: &Bound<'py, PyString>| -> Result<Bound<'py, PyAny>, String> {
+        ev.getattr(f).map_err(|e| format!("{name}.{f}: {e}"))
+    };
+    let wrong = |f: &Bound<'_, PyString>, want: &str, got: &Bound<'_, PyAny>| {
+        format!("{name}.{f}: expected {want}, got {}", type_name(got))
+    };
+    for f in lists {
+        let v = field(f)?;
+        if !v.is_instance_of::<PyList>() {
+            return Err(wrong(f, "a list", &v));
+        }
+    }
+    if kind != 0 {
+        return Ok(());
+    }
+    // Optional lists whose items must be of one container type.
+    let optional = [
+        (pyo3::intern!(py, "extra_keys"), true),
+        (pyo3::intern!(py, "lookahead_token_ids"), false),
+    ];
+    for (f, item_is_tuple) in optional {
+        let v = field(f)?;
+        if v.is_none() {
+            continue;
+        }
+        let Ok(items) = v.cast::<PyList>() else {
+            return Err(wrong(f, "a list or None", &v));
+        };
+        for (j, item) in items.iter().enumerate() {
+            let ok = if item_is_tuple {
+                item.is_none() || item.is_instance_of::<PyTuple>()
+            } else {
+                item.is_instance_of::<PyList>()
+            };
+            if !ok {
+                let want = if item_is_tuple {
+                    "a tuple or None"
+                } else {
+                    "a list"
+                };
+                return Err(format!(
+                    "{name}.{f}: item {j}: expected {want}, got {}",
+                    type_name(&item)
+                ));
+            }
+        }
+    }
+    Ok(())
+}
