@@ -7,11 +7,11 @@ One command (from the repository root, in the project's environment)::
 
 A local, loopback-only Ray cluster; TP Ray actors act as the worker ranks,
 each holding, for every compared configuration (row), a worker-side
-connector whose children return vLLM's own containers (tests/vllm_children.py):
+connector whose children return vLLM's own containers (tests/support/vllm_children.py):
 
 * ``kvmerge``: ``KVMergeMultiConnector`` with the LMCache child, the Mooncake
   store child, or both; each worker returns one ``KVMergeKVEvents`` whose
-  lanes are ``kvmerge.EventBatch`` (pickled as protocol-5 out-of-band
+  children's batches are ``kvmerge.EventBatch`` (pickled as protocol-5 out-of-band
   buffers);
 * ``native``: the child itself as the connector, returning vLLM's
   ``LMCacheKVEvents`` / ``MooncakeStoreKVEvents`` (pickled event by event).
@@ -123,9 +123,9 @@ class BenchRank(ray_actors.ResponseQueue):
 
     def emit(self, name: str, step: int, events: int, tokens: int) -> None:
         _conn, children = self.connectors[name]
-        for lane, child in enumerate(children):
+        for index, child in enumerate(children):
             group = 0 if type(child).__name__ == "MooncakeChild" else None
-            start = step * 1_000_000 + lane * 100_000
+            start = step * 1_000_000 + index * 100_000
             child.emit(ray_actors.chain_events(events, start, tokens, group))
 
     def output(self, name: str) -> Any:
@@ -271,9 +271,9 @@ def local_costs(args: argparse.Namespace) -> None:
         children = [conn] if native else conn.sub_connectors
         build_s, dump_s, load_s = [], [], []
         for step in range(args.warmup + args.steps):
-            for lane, child in enumerate(children):
+            for index, child in enumerate(children):
                 group = 0 if type(child).__name__ == "MooncakeChild" else None
-                start = step * 1_000_000 + lane * 100_000
+                start = step * 1_000_000 + index * 100_000
                 child.emit(
                     ray_actors.chain_events(args.events, start, args.tokens, group)
                 )

@@ -43,12 +43,21 @@ def vllm_caplog(caplog):
 @pytest.fixture(scope="module")
 def bus():
     """A real ``ZmqEventPublisher`` and a SUB socket reading it, per module
-    (vllm_harness.Bus; imported here only when a test asks for one)."""
-    from vllm_harness import Bus
+    (support.vllm_harness.Bus; imported here only when a test asks for one)."""
+    from support.vllm_harness import Bus
 
     b = Bus()
     yield b
     b.close()
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """kvmerge's vLLM plugin registered, as vLLM's plugin loader does in every
+    process (``register`` is idempotent)."""
+    from kvmerge.vllm import register
+
+    register()
 
 
 @pytest.fixture(scope="session")

@@ -161,7 +161,7 @@ class Merger:
         does not), or `CapacityError` when the pending reports would carry
         more bytes than one step's output can hold (4 GiB)."""
 
-    def add_all(self, reports: Sequence[tuple[int, EventBatch]]) -> None:
+    def add_all(self, batches: Sequence[tuple[int, EventBatch]]) -> None:
         """Add several ranks' batches at once: all of them, or none on error."""
 
     def finish_step(self) -> list[_Event]: ...

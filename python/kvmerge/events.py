@@ -10,7 +10,7 @@ event or to the batch, are skipped on decode.
 Decoding bytes with these gives instances of these classes, not of vLLM's:
 equal field by field (``msgspec.structs.asdict``), but ``==`` and
 ``isinstance`` tell them apart. Only msgspec is imported here.
-tests/test_cli_subscribe.py checks that these match the installed vLLM's.
+tests/cli/test_cli_subscribe.py checks that these match the installed vLLM's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 //! Damaged batches that carry a *valid* checksum, and what receiving them
 //! gets: the rows of docs/robustness.md that Python cannot produce without
-//! an XXH3 implementation (tests/bad_inputs.py prints the others).
+//! an XXH3 implementation (tests/support/bad_inputs.py prints the others).
 //!
 //! ```text
 //! cargo run -q -p kvmerge-core --example bad_batches

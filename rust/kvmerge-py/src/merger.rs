@@ -139,17 +139,17 @@ impl PyMerger {
     fn add_all(
         &self,
         py: Python<'_>,
-        reports: Vec<(Bound<'_, PyAny>, Bound<'_, PyEventBatch>)>,
+        batches: Vec<(Bound<'_, PyAny>, Bound<'_, PyEventBatch>)>,
     ) -> PyResult<()> {
-        let reports = reports
+        let batches = batches
             .into_iter()
             .map(|(r, b)| {
                 let batch = b.get().batch(py)?.clone();
                 Ok((self.rank_arg(&r)?, batch))
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let small = is_small(0, reports.iter().map(|(_, b)| b.len() as u64).sum());
-        self.run(py, |_| small, |m| m.add_all(reports))
+        let small = is_small(0, batches.iter().map(|(_, b)| b.len() as u64).sum());
+        self.run(py, |_| small, |m| m.add_all(batches))
     }
 
     fn finish_step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -145,7 +145,7 @@ impl Merger {
                 "rank {rank}'s batch ({} events, {} bytes of events) would leave the merger \
                  holding {reports} reports and {bytes} bytes of events, more than one step's \
                  merged output can hold ({} events, {MAX_CARRIED_BYTES} bytes): refused, so \
-                 that no step's output overflows; drop this report (or lower \
+                 that no step's output overflows; drop this batch (or lower \
                  max_pending_steps)",
                 batch.len(),
                 batch.carried_len(),
@@ -163,7 +163,7 @@ impl Merger {
             let rec = batch.record(i);
             if !rec.carried && carriers.carries(rank, &rec.identity, rec.kind, rec.group_idx) {
                 return Err(Error::Config(format!(
-                    "rank {rank} left out the bytes of event {i} ({}), which it must carry \
+                    "rank {rank} did not carry the bytes of event {i} ({}), which it must carry \
                      under rule {:?} with world size {} and replication factors {:?}: \
                      workers and merger must be configured alike",
                     rec.kind.name(),

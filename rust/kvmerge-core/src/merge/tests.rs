@@ -527,7 +527,7 @@ fn pending_bytes_are_bounded_by_one_output_batch() {
     let step = m.step();
     let err = m.add(0, big.clone()).unwrap_err();
     assert!(
-        matches!(&err, Error::TooLarge(msg) if msg.contains("drop this report")),
+        matches!(&err, Error::TooLarge(msg) if msg.contains("drop this batch")),
         "{err:?}"
     );
     let err = m

@@ -227,7 +227,7 @@ def test_through_kvmerge_multi_connector(bus, name, extra, events):
     """Children emitting such events through KVMergeMultiConnector: the
     merged ``take_events()`` output holds their bytes, and vLLM's publisher
     sends them to subscribers, who decode the known fields."""
-    from vllm_harness import Cluster, child
+    from support.vllm_harness import Cluster, child
 
     from kvmerge.vllm import register
 

@@ -3,7 +3,7 @@
 Prints the table of docs/robustness.md ("What a bad input gets") from a real
 run; ``test_fuzz_surface.py`` checks that the document shows this output.
 
-    python tests/bad_inputs.py > /tmp/table.md
+    python tests/support/bad_inputs.py > /tmp/table.md
 
 Each case is a call that must be refused: the table gives the exception's
 class (and the standard class it also is) and its exact message. A case that
@@ -277,7 +277,7 @@ CASES: list[tuple[str, Callable[[], object]]] = [
         "add(0, 4 MiB batch) for the 1,024th step, nothing completing",
         past_the_output_limit,
     ),
-    # -- encode with a rank: bytes other ranks carry left out
+    # -- encode with a rank: bytes other ranks carry are not carried here
     ("encode(events, rank=0)  # no world_size", lambda: B([stored()], rank=0)),
     (
         "encode(events, rank=4, world_size=4)",

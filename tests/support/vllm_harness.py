@@ -2,7 +2,7 @@
 
 * configs: ``kvmerge.sim.model.connector_config`` (``DeviceConfig("cpu")``, a
   ``KVTransferConfig`` naming ``KVMergeMultiConnector``) with children from
-  ``vllm_children`` (``child``);
+  ``support.vllm_children`` (``child``);
 * connectors: ``kvmerge.sim.model.create_connector`` for the scheduler and for
   one worker per rank (each with its own ``parallel_config.rank``:
   ``worker_config``, as vLLM's ``WorkerBase`` sets it);
@@ -47,7 +47,7 @@ from kvmerge.sim.model import (
 )
 from kvmerge.sim.transport import shm_roundtrip
 
-CHILDREN_MODULE = "vllm_children"
+CHILDREN_MODULE = "support.vllm_children"
 
 
 # --- events ------------------------------------------------------------------
@@ -81,7 +81,7 @@ def cleared() -> AllBlocksCleared:
 
 # --- configs and connectors --------------------------------------------------
 def child(name: str, **extra: Any) -> dict[str, Any]:
-    """A child entry of ``connectors`` for a ``vllm_children`` class."""
+    """A child entry of ``connectors`` for a ``support.vllm_children`` class."""
     return child_entry(name, CHILDREN_MODULE, extra)
 
 

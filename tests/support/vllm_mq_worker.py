@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_harness import child, stored
+from .vllm_harness import child, stored
 
 TP = 2
 STEPS = 4
@@ -96,10 +96,11 @@ def main(rank: int, port: int, pipe: Any) -> None:
     from vllm.distributed import parallel_state as ps
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm_harness import init_tp_group, worker_output
 
     from kvmerge.sim.model import connector_config, create_connector
     from kvmerge.vllm import register
+
+    from .vllm_harness import init_tp_group, worker_output
 
     register()
     cfg = connector_config(children(), tp=TP)

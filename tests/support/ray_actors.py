@@ -32,7 +32,7 @@ from pathlib import Path
 from pickle import PickleBuffer
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 #: Set before ``ray.init``; the raylet, GCS and workers inherit them.
 RAY_ENV = {
@@ -70,7 +70,7 @@ def start_ray(num_cpus: int = 2, object_store_mb: int = 256) -> dict[str, Any]:
     own; returns what ``stop_ray`` restores and removes."""
     saved: dict[str, Any] = {k: os.environ.get(k) for k in (*RAY_ENV, "PYTHONPATH")}
     os.environ.update(RAY_ENV)
-    # Workers import the test helpers (vllm_children, ...) by name.
+    # Workers import the test helpers (support.vllm_children, ...) by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(TESTS), saved["PYTHONPATH"]) if p
     )
@@ -279,10 +279,11 @@ class RankActor(ResponseQueue):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorRole,
         )
-        from vllm_harness import init_tp_group
 
         from kvmerge.sim.model import connector_config, create_connector, worker_config
         from kvmerge.vllm import register
+
+        from .vllm_harness import init_tp_group
 
         register()
         self.rank = rank
@@ -315,7 +316,7 @@ class RankActor(ResponseQueue):
     def step(self, per_child: Sequence[Any], **fields: Any) -> Any:
         """Queue this step's events per child (a list, None, or
         ``("chain", n, start)``), return the step's ``ModelRunnerOutput``."""
-        from vllm_harness import worker_output
+        from .vllm_harness import worker_output
 
         self._emit(per_child)
         return worker_output(self.connector, **fields)
@@ -375,7 +376,7 @@ def chain_events(
     """``n`` stores of 32-byte hashes, each the parent of the next (the shape
     of a long prompt's blocks), ``tokens`` token ids per block, spread over a
     150k vocabulary as real ones are."""
-    from vllm_harness import stored
+    from .vllm_harness import stored
 
     return [
         stored(

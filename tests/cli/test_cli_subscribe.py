@@ -20,9 +20,9 @@ from collections import Counter
 
 import msgspec
 import pytest
-import strategies
 from hypothesis import given
 from hypothesis import strategies as st
+from support import strategies
 from test_cli_demo import (
     CONNECTORS,
     demo_with_subscriber,

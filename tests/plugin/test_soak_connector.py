@@ -16,7 +16,7 @@ import random
 import resource
 
 import pytest
-from vllm_harness import Bus, Cluster, child, removed, stored, worker_output
+from support.vllm_harness import Bus, Cluster, child, removed, stored, worker_output
 
 from kvmerge.sim.transport import shm_roundtrip
 from kvmerge.vllm import register

@@ -15,7 +15,7 @@ What docs/robustness.md promises, each with the test that holds it to it:
 from __future__ import annotations
 
 import pytest
-from bad_inputs import stored
+from support.bad_inputs import stored
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 import kvmerge

@@ -1,7 +1,7 @@
 """Small child connectors for the vLLM plugin tests.
 
 Loaded by vLLM's ``KVConnectorFactory`` through
-``"kv_connector_module_path": "vllm_children"``. Their worker sides return the
+``"kv_connector_module_path": "support.vllm_children"``. Their worker sides return the
 REAL vLLM 0.33.0 containers (``LMCacheKVEvents``, ``MooncakeStoreKVEvents``,
 ``UMBPStoreKVEvents``), built exactly as the upstream connectors build them,
 from events a test queues with ``emit``; their scheduler sides reuse the

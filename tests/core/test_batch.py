@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import events, key
+from support.strategies import events, key
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 import kvmerge

@@ -16,8 +16,8 @@ import pickle
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.vllm_harness import Bus, Cluster, child, stored, worker_output
 from vllm.v1.outputs import KVConnectorOutput
-from vllm_harness import Bus, Cluster, child, stored, worker_output
 
 import kvmerge
 from kvmerge.sim.children import ListKVEvents

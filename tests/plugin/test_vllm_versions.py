@@ -14,7 +14,7 @@ from kvmerge.vllm import versions
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def supported_releases() -> list[str]:

@@ -25,7 +25,7 @@ from kvmerge.sim.transport import OOB_THRESHOLD, dequeue, enqueue
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ENC = msgspec.msgpack.Encoder()
 

@@ -36,7 +36,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-import ray_actors as ra  # noqa: E402
+from support import ray_actors as ra  # noqa: E402
+from support.vllm_harness import Bus, child, cleared, removed, stored  # noqa: E402
 from vllm.distributed.device_communicators.shm_broadcast import (  # noqa: E402
     MessageQueue,
 )
@@ -56,7 +57,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (  # noq
     UMBPStoreKVEvents,
 )
 from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: E402
-from vllm_harness import Bus, child, cleared, removed, stored  # noqa: E402
 
 import kvmerge  # noqa: E402
 from kvmerge import EventBatch  # noqa: E402
@@ -67,10 +67,14 @@ from kvmerge.testing.reference import (  # noqa: E402
     ReferenceMerger,
     assert_same_events,
 )
-from kvmerge.vllm import KVMergeKVEvents, register  # noqa: E402
+from kvmerge.vllm import KVMergeKVEvents  # noqa: E402
 
 # A hang guard: the module takes well under two minutes on an idle 2-core box.
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(420),
+    pytest.mark.usefixtures("registered"),
+]
 
 TP = 4
 FACTORS = [1, 2]
@@ -137,11 +141,6 @@ def ranks(ray_cluster):
         finally:
             for a in actors:
                 ray.kill(a)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
-    register()
 
 
 # --- the script: what each rank's children emit --------------------------------

@@ -19,11 +19,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import vllm_mq_worker as script
+from support import vllm_mq_worker as script
+from support.vllm_harness import Bus
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm_harness import Bus
 
 from kvmerge import EventBatch
 from kvmerge.sim.model import connector_config, create_connector
@@ -32,7 +32,7 @@ from kvmerge.vllm import register
 
 pytestmark = pytest.mark.vllm
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_workers_through_the_shm_message_queue():
@@ -104,7 +104,7 @@ def test_general_plugin_registers_the_connector_in_a_fresh_interpreter():
         import kvmerge.vllm
 
         kvmerge.vllm.register()  # again: idempotent
-        from vllm_harness import child
+        from support.vllm_harness import child
 
         from kvmerge.sim.model import connector_config, create_connector
 

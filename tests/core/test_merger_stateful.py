@@ -17,7 +17,13 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from strategies import base_sequence, block_stored, max_pending, pools, quorum_configs
+from support.strategies import (
+    base_sequence,
+    block_stored,
+    max_pending,
+    pools,
+    quorum_configs,
+)
 
 import kvmerge
 from kvmerge.testing.reference import (

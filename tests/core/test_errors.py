@@ -3,12 +3,12 @@
 import functools
 import pickle
 
-import bad_inputs
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import events
+from support import bad_inputs
+from support.strategies import events
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 
 import kvmerge

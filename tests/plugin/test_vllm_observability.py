@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
+from support.vllm_children import LMCacheChild
+from support.vllm_harness import Cluster, child, stored, worker_output
 from vllm.config import ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -38,17 +40,14 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-from vllm_children import LMCacheChild
-from vllm_harness import Cluster, child, stored, worker_output
 
 from kvmerge.sim.model import model_dir
 from kvmerge.sim.transport import shm_roundtrip
-from kvmerge.vllm import register
 from kvmerge.vllm.stats import METRIC_NAMES
 
 pytestmark = pytest.mark.vllm
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 # --- logs ----------------------------------------------------------------------
@@ -60,7 +59,7 @@ SCRIPT = textwrap.dedent(
     from vllm.logger import configure_logging
 
     configure_logging(LoggingConfig())  # what `vllm serve` does at start-up
-    from vllm_harness import Bus, Cluster, child, stored
+    from support.vllm_harness import Bus, Cluster, child, stored
 
     from kvmerge.vllm import register
 
@@ -208,8 +207,7 @@ def model_config(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _registered():
-    register()
+def _stats_child(registered):
     # MultiConnector rebuilds a child's stats by its registered name.
     with contextlib.suppress(ValueError):
         KVConnectorFactory.register_connector("StatsChild", __name__, "StatsChild")

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import (
+from support.strategies import (
     CLEAR,
     Scenario,
     base_sequence,
@@ -41,8 +41,8 @@ FINISH = {
 
 
 def lean_encode(events, rank, config):
-    """What a worker of this merger sends: the bytes of the events other ranks
-    are bound to carry left out (their records kept)."""
+    """What a worker of this merger sends: the bytes only of the events this
+    rank carries (every event's record kept)."""
     batch = kvmerge.encode(
         events,
         rank=rank,
@@ -410,7 +410,7 @@ def test_each_event_travels_with_its_bytes_once_under_all(world_size, rule, even
     assert all(len(b) == len(events) for b in batches)
 
 
-def test_wrongly_left_out_bytes_are_refused_and_change_nothing():
+def test_wrongly_uncarried_bytes_are_refused_and_change_nothing():
     events = [BlockRemoved(block_hashes=[h], medium=None) for h in range(40)]
     # Encoded for a world of 4, merged in a world of 2: rank 0 leaves out some
     # events a world of 2 gives it to carry.

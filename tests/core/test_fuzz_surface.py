@@ -30,12 +30,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import bad_inputs
 import msgspec
 import msgspec.structs
 import pytest
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
+from support import bad_inputs
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 import kvmerge
@@ -846,11 +846,11 @@ def test_any_rank_is_added_or_refused(rank):
 
 
 def test_every_bad_input_is_refused_as_documented():
-    """docs/robustness.md shows tests/bad_inputs.py's output, and that output
+    """docs/robustness.md shows tests/support/bad_inputs.py's output, and that output
     is all refusals of the right kinds (regenerate the table if this fails
     after a message changed)."""
     assert bad_inputs.check() == []
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "robustness.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "robustness.md").read_text()
     block = doc.split("<!-- bad-inputs:begin -->\n")[1].split(
         "<!-- bad-inputs:end -->"
     )[0]

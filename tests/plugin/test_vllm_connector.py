@@ -4,7 +4,7 @@ Every step goes the way vLLM takes it: worker connectors build their outputs,
 the outputs are pickled as the shm MessageQueue pickles them, a real
 KVOutputAggregator combines them, the scheduler connector gets
 update_connector_output then take_events, and a real ZmqEventPublisher
-publishes what the test reads back with a SUB socket (see vllm_harness).
+publishes what the test reads back with a SUB socket (see support.vllm_harness).
 Expectations are worked out by hand from docs/merge-rules.md.
 """
 
@@ -16,13 +16,13 @@ import random
 
 import msgspec
 import pytest
+from support.vllm_children import CountMeta
+from support.vllm_harness import Cluster, child, cleared, removed, stored, worker_output
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
     MultiKVConnectorWorkerMetadata,
 )
-from vllm_children import CountMeta
-from vllm_harness import Cluster, child, cleared, removed, stored, worker_output
 
 import kvmerge
 from kvmerge.sim.children import ListKVEvents
@@ -33,15 +33,10 @@ from kvmerge.vllm import KVMergeKVEvents, KVMergeMultiConnector, register
 from kvmerge.vllm.container import WorkerOutputs
 from kvmerge.vllm.topology import aggregated_world_size, worker_rank
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("registered")]
 
 SCHEDULER = KVConnectorRole.SCHEDULER
 WORKER = KVConnectorRole.WORKER
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
-    register()
 
 
 def refused_step(c: Cluster, ranks: list[int]) -> str:

@@ -47,7 +47,7 @@ def test_the_reported_case_is_refused_at_add_with_nothing_changed(big):
         m.add(0, batch)
         assert m.finish_step_raw() == []
     before, step = m.stats(), m.step
-    with pytest.raises(CapacityError, match="drop this report") as info:
+    with pytest.raises(CapacityError, match="drop this batch") as info:
         m.add(0, batch)
     assert isinstance(info.value, KVMergeError) and isinstance(info.value, ValueError)
     with pytest.raises(CapacityError):

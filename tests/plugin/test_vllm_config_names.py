@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 from kvmerge.vllm import KVMergeMultiConnector, alias, register
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("registered")]
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # The five cases of the issue report: 3 gave other roles on vLLM 0.34.0.
@@ -41,11 +41,6 @@ SPELLINGS = [
     ("KVMergeMultiConnector", "kvmerge.vllm"),
     ("MultiConnector", "kvmerge.vllm"),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
-    register()
 
 
 def transfer_config(
