@@ -198,9 +198,7 @@ def profile_case(
             worker_outputs = sorted(
                 kv_out.kv_cache_events.outputs, key=lambda o: o.rank
             )
-            raw = [
-                bytes(p) for o in worker_outputs for p in o.payloads if p is not None
-            ]
+            raw = [bytes(p) for o in worker_outputs for p in o.entries if p is not None]
             v0 = _clock()
             for buf in raw:
                 EventBatch.from_buffer(buf)
@@ -210,8 +208,8 @@ def profile_case(
                 pairs = [
                     (
                         o.rank,
-                        o.payloads[index]
-                        if o.payloads[index] is not None
+                        o.entries[index]
+                        if o.entries[index] is not None
                         else EventBatch.empty(),
                     )
                     for o in worker_outputs

@@ -297,7 +297,7 @@ def run_big_step(
     per_rank = big_step()
     outputs, refs = collect(0, per_rank)
     for out in outputs:
-        batch = out.kv_connector_output.kv_cache_events.outputs[0].payloads[0]
+        batch = out.kv_connector_output.kv_cache_events.outputs[0].entries[0]
         assert isinstance(batch, EventBatch) and len(batch) == BIG
         assert batch.nbytes > OOB_THRESHOLD  # out of band in the MessageQueue too
     if inspect is not None:  # before the aggregator adds to outputs[0]
@@ -338,15 +338,15 @@ def test_large_batches_travel_out_of_band_through_the_object_store(ranks, bus):
 def check_sizes(outputs: list[Any], refs: list[Any]) -> None:
     sizes = ray.experimental.get_object_locations(refs, timeout_ms=10_000)
     for ref, out in zip(refs, outputs, strict=True):
-        payloads = out.kv_connector_output.kv_cache_events.outputs[0].payloads
-        batch = payloads[0]
+        entries = out.kv_connector_output.kv_cache_events.outputs[0].entries
+        batch = entries[0]
         # Ray serializes with cloudpickle, protocol 5, every PickleBuffer out
         # of band whatever its size; the same pickling here shows what Ray
         # had to store: each distinct batch as one buffer (the empty children's
         # batches share one), and a small in-band pickle with no event in it.
         oob: list[pickle.PickleBuffer] = []
         inband = pickle.dumps(out, protocol=5, buffer_callback=oob.append)
-        batches = {id(p): p for p in payloads if isinstance(p, EventBatch)}
+        batches = {id(p): p for p in entries if isinstance(p, EventBatch)}
         assert sorted(b.raw().nbytes for b in oob) == sorted(
             b.nbytes for b in batches.values()
         )

@@ -45,7 +45,7 @@ anything = st.one_of(
     st.lists(st.integers(), max_size=3),
     st.sampled_from(["lmcache", "umbp", "mooncake", "other", "native", "refused"]),
 )
-payloads = st.one_of(
+entries = st.one_of(
     anything,
     st.builds(lambda: kvmerge.encode([stored(7)])),
     st.builds(kvmerge.EventBatch.empty),
@@ -58,7 +58,7 @@ factors = st.one_of(
 child_tuples = st.integers(0, 3).flatmap(
     lambda n: st.tuples(
         st.tuples(*[anything] * n),
-        st.tuples(*[payloads] * n),
+        st.tuples(*[entries] * n),
         st.tuples(*[factors] * n),
     )
 )

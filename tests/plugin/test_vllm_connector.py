@@ -388,8 +388,8 @@ def test_without_kv_events_children_are_drained_but_nothing_is_encoded(bus):
         c.emit(r, 1, [stored(2)])
     out = c.aggregate()
     worker_outputs = out.kv_connector_output.kv_cache_events.outputs
-    assert [wo.payloads[0] for wo in worker_outputs] == [None, None]
-    assert all(isinstance(wo.payloads[1], ListKVEvents) for wo in worker_outputs)
+    assert [wo.entries[0] for wo in worker_outputs] == [None, None]
+    assert all(isinstance(wo.entries[1], ListKVEvents) for wo in worker_outputs)
     # The native child still gets its container (its own bookkeeping).
     assert c.bus.publish(c.schedule(out)) == [stored(2)]
     assert all(w.sub_connectors[0].drained == 1 for w in c.workers)
@@ -424,12 +424,12 @@ def test_container_pickles_out_of_band_and_aggregates_without_decoding(
     assert len(buffers) == 1
     assert b"BlockStored" not in data and b"kv_events" not in data
     copy = pickle.loads(data, buffers=buffers)
-    sent, got = container.outputs[0].payloads[0], copy.outputs[0].payloads[0]
+    sent, got = container.outputs[0].entries[0], copy.outputs[0].entries[0]
     assert bytes(got) == bytes(sent)
     assert got.identities() == kvmerge.encode(events).identities()
     # Rule "all" in a world of 4: each event's bytes travel from one rank.
     sent_batches = [
-        o.kv_connector_output.kv_cache_events.outputs[0].payloads[0] for o in outputs
+        o.kv_connector_output.kv_cache_events.outputs[0].entries[0] for o in outputs
     ]
     assert sum(len(b) - b.uncarried for b in sent_batches) == len(events)
     assert (
@@ -438,13 +438,13 @@ def test_container_pickles_out_of_band_and_aggregates_without_decoding(
         )
         == events
     )
-    assert copy.outputs[0].payloads[1] is None  # the silent child
+    assert copy.outputs[0].entries[1] is None  # the silent child
 
     # Through the shm pickling and the aggregator, nothing gets decoded: the
     # batches the scheduler merges are the very objects that were unpickled.
     received = [shm_roundtrip(o)[0] for o in outputs]
     batches = [
-        o.kv_connector_output.kv_cache_events.outputs[0].payloads[0] for o in received
+        o.kv_connector_output.kv_cache_events.outputs[0].entries[0] for o in received
     ]
 
     def no_decoding(self):
@@ -453,7 +453,7 @@ def test_container_pickles_out_of_band_and_aggregates_without_decoding(
     monkeypatch.setattr(WorkerOutputs, "_events", no_decoding)
     out = c.aggregator.aggregate(received, output_rank=0)
     combined = out.kv_connector_output.kv_cache_events
-    merged = [wo.payloads[0] for wo in combined.outputs]
+    merged = [wo.entries[0] for wo in combined.outputs]
     assert len(merged) == len(batches)
     assert all(a is b for a, b in zip(merged, batches, strict=True))
     assert combined.get_number_of_workers() == 4

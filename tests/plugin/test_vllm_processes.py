@@ -66,9 +66,7 @@ def test_workers_through_the_shm_message_queue():
             if step == 0:
                 # The big batch came out of band: a bytearray, borrowed as is.
                 batch = (
-                    outputs[0]
-                    .kv_connector_output.kv_cache_events.outputs[0]
-                    .payloads[0]
+                    outputs[0].kv_connector_output.kv_cache_events.outputs[0].entries[0]
                 )
                 assert isinstance(batch, EventBatch)
                 assert batch.nbytes >= OOB_THRESHOLD and len(batch) == script.BIG
@@ -81,7 +79,7 @@ def test_workers_through_the_shm_message_queue():
             assert published == script.expected(step), f"step {step}"
             if step == script.DAMAGED_STEP:
                 # Dequeued without raising; dropped by the connector, counted.
-                damaged = kv_out.kv_cache_events.outputs[1].payloads[0]
+                damaged = kv_out.kv_cache_events.outputs[1].entries[0]
                 assert damaged.error is not None
                 assert [child.refused for child in scheduler._children] == [1, 0, 0]
     finally:

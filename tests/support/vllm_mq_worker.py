@@ -75,7 +75,7 @@ class Damaged:
 
 def damage(output: Any) -> Any:
     worker = output.kv_connector_output.kv_cache_events.outputs[0]
-    worker.payloads = (Damaged(worker.payloads[0]), *worker.payloads[1:])
+    worker.entries = (Damaged(worker.entries[0]), *worker.entries[1:])
     return output
 
 

@@ -60,7 +60,7 @@ KIND_UMBP: Final = "umbp"
 KIND_OTHER: Final = "other"
 #: The child's own container, carried as is.
 KIND_NATIVE: Final = "native"
-#: The worker could not encode the child's events: the payload says why.
+#: The worker could not encode the child's events: the entry says why.
 KIND_REFUSED: Final = "refused"
 #: Kinds whose child carries an ``EventBatch``.
 ENCODED_KINDS: Final[frozenset[Kind]] = frozenset(

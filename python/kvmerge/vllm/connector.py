@@ -298,19 +298,19 @@ class _Child:
         present: list[Any] = []
         for output in outputs:
             kind = output.kinds[index]
-            payload = output.payloads[index]
+            entry = output.entries[index]
             if (
                 merging
-                and type(payload) is EventBatch
+                and type(entry) is EventBatch
                 and type(kind) is str
                 and kind == known
-                and payload.error is None
+                and entry.error is None
             ):
                 factors = output.factors[index]
                 if factors is None or self._known_factors(factors):
-                    batches.append((output.rank, payload))
+                    batches.append((output.rank, entry))
                     continue
-            elif kind is None and payload is None:
+            elif kind is None and entry is None:
                 batches.append((output.rank, empty))
                 continue
             why = output.child_problem(index)
@@ -324,8 +324,8 @@ class _Child:
             elif kind is None:
                 batches.append((output.rank, empty))
             else:
-                present.append(payload)
-                batches.append((output.rank, payload))
+                present.append(entry)
+                batches.append((output.rank, entry))
         if self.mode == "native":
             return combine_native(self.spec.label, present)
         merger = self.merger
@@ -478,7 +478,7 @@ class KVMergeMultiConnector(MultiConnector):
     def get_kv_connector_kv_cache_events(self) -> KVMergeKVEvents:
         n = len(self._connectors)
         kinds: list[Kind | None] = [None] * n
-        payloads: list[Any] = [None] * n
+        entries: list[Any] = [None] * n
         factors: list[tuple[int, ...] | None] = [None] * n
         for i, (spec, connector) in enumerate(
             zip(self._spec.children, self._connectors, strict=True)
@@ -492,7 +492,7 @@ class KVMergeMultiConnector(MultiConnector):
             if encode is None:
                 encode = kind != KIND_OTHER
             if not encode:
-                kinds[i], payloads[i] = KIND_NATIVE, container
+                kinds[i], entries[i] = KIND_NATIVE, container
                 continue
             if not self._events_enabled:
                 continue
@@ -500,7 +500,7 @@ class KVMergeMultiConnector(MultiConnector):
                 factors[i] = container_factors(container, connector)
             events = container.get_all_events()
             try:
-                payloads[i] = (
+                entries[i] = (
                     self._encode(events, spec, kind, factors[i])
                     if events
                     else _empty_batch()
@@ -518,7 +518,7 @@ class KVMergeMultiConnector(MultiConnector):
                     self.worker_rank,
                     why,
                 )
-                kinds[i], payloads[i] = KIND_REFUSED, why
+                kinds[i], entries[i] = KIND_REFUSED, why
                 continue
             kinds[i] = kind
         seq = self._seq
@@ -526,7 +526,7 @@ class KVMergeMultiConnector(MultiConnector):
         output = WorkerOutput(
             self.worker_rank,
             tuple(kinds),
-            tuple(payloads),
+            tuple(entries),
             tuple(factors),
             seq=seq,
             settings=(
@@ -589,14 +589,14 @@ class KVMergeMultiConnector(MultiConnector):
             # found in the world).
             if type(output) is WorkerOutput and output.settings is None:
                 rank, seq = output.rank, output.seq
-                kinds, payloads, factors = output.kinds, output.payloads, output.factors
+                kinds, entries, factors = output.kinds, output.entries, output.factors
                 if (
                     type(rank) is int
                     and type(seq) is int
                     and type(kinds) is tuple
-                    and type(payloads) is tuple
+                    and type(entries) is tuple
                     and type(factors) is tuple
-                    and len(kinds) == len(payloads) == len(factors) == n
+                    and len(kinds) == len(entries) == len(factors) == n
                     and rank not in by_rank
                     and rank not in misconfigured
                     and last_seq.get(rank) == seq - 1

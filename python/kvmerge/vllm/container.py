@@ -41,38 +41,36 @@ _batch_from_pickle = EventBatch._from_pickle  # type: ignore[attr-defined]
 #: What a worker sends for one child: its encoded batch, its own container
 #: (a native child), why the worker could not encode its events (kind
 #: ``KIND_REFUSED``), or None when the child returned None this step.
-Payload: TypeAlias = "EventBatch | KVConnectorKVEvents | str | None"
+Entry: TypeAlias = "EventBatch | KVConnectorKVEvents | str | None"
 
 
 class WorkerOutput:
     """What one worker sends for one step.
 
     ``kinds[i]`` is the kind of child ``i``'s container (see ``config``), or
-    None when child ``i`` returned None; ``payloads[i]`` its encoded batch or,
+    None when child ``i`` returned None; ``entries[i]`` its encoded batch or,
     for a native child, its own container (for kind ``KIND_REFUSED``, why the
     worker could not encode it); ``factors[i]`` the replication factors a
     Mooncake store container carried. ``seq`` counts the worker's outputs (0
     for the first of its process, which also carries its ``settings``).
     """
 
-    __slots__ = ("factors", "kinds", "payloads", "rank", "seq", "settings")
+    __slots__ = ("entries", "factors", "kinds", "rank", "seq", "settings")
 
     def __init__(
         self,
         rank: int,
         kinds: tuple[Kind | None, ...],
-        payloads: tuple[Payload, ...],
+        entries: tuple[Entry, ...],
         factors: tuple[tuple[int, ...] | None, ...],
         seq: int = 0,
         settings: WorkerSettings | None = None,
     ) -> None:
-        if not (len(kinds) == len(payloads) == len(factors)):
-            raise ValueError(
-                "kinds, payloads and factors must have one entry per child"
-            )
+        if not (len(kinds) == len(entries) == len(factors)):
+            raise ValueError("kinds, entries and factors must have one entry per child")
         self.rank = rank
         self.kinds = kinds
-        self.payloads = payloads
+        self.entries = entries
         self.factors = factors
         self.seq = seq
         self.settings = settings
@@ -86,30 +84,30 @@ class WorkerOutput:
         """
         if type(self.rank) is not int or type(self.seq) is not int:
             return f"rank {self.rank!r} / seq {self.seq!r} are not integers"
-        kinds, payloads, factors = self.kinds, self.payloads, self.factors
+        kinds, entries, factors = self.kinds, self.entries, self.factors
         if not (
-            type(kinds) is tuple and type(payloads) is tuple and type(factors) is tuple
+            type(kinds) is tuple and type(entries) is tuple and type(factors) is tuple
         ):
-            return "kinds, payloads and factors are not tuples"
-        if not (len(kinds) == len(payloads) == len(factors)):
-            return "kinds, payloads and factors have different lengths"
+            return "kinds, entries and factors are not tuples"
+        if not (len(kinds) == len(entries) == len(factors)):
+            return "kinds, entries and factors have different lengths"
         return None
 
     def child_problem(self, index: int) -> str | None:
         """Why what this output holds for child ``index`` cannot be merged, or
         None."""
-        kind, payload = self.kinds[index], self.payloads[index]
+        kind, entry = self.kinds[index], self.entries[index]
         factors = self.factors[index]
         if kind is None:
-            return None if payload is None else "a payload without a kind"
+            return None if entry is None else "an entry without a kind"
         if type(kind) is not str:
             return f"a container kind of type {type(kind).__name__}"
         if kind == KIND_REFUSED:
-            return f"the worker could not encode it: {str(payload)[:500]}"
+            return f"the worker could not encode it: {str(entry)[:500]}"
         if kind == KIND_NATIVE:
-            if isinstance(payload, KVConnectorKVEvents):
+            if isinstance(entry, KVConnectorKVEvents):
                 return None
-            return f"a native child's container is a {type(payload).__name__}"
+            return f"a native child's container is a {type(entry).__name__}"
         if kind not in ENCODED_KINDS:
             return f"an unknown container kind {kind[:50]!r}"
         if factors is not None and not (
@@ -118,9 +116,9 @@ class WorkerOutput:
             and all(type(f) is int and f >= 1 for f in factors)
         ):
             return f"replication factors {str(factors)[:100]} are not positive ints"
-        if not isinstance(payload, EventBatch):
-            return f"a {kind} batch is a {type(payload).__name__}, not an EventBatch"
-        return payload.error
+        if not isinstance(entry, EventBatch):
+            return f"a {kind} batch is a {type(entry).__name__}, not an EventBatch"
+        return entry.error
 
     @property
     def num_children(self) -> int:
@@ -135,25 +133,23 @@ class WorkerOutput:
         ``IncompleteBatchError`` if none of them carries an event's bytes.
         """
         events: list[KVCacheEvent] = []
-        for i, (kind, payload) in enumerate(
-            zip(self.kinds, self.payloads, strict=True)
-        ):
-            if payload is None:
+        for i, (kind, entry) in enumerate(zip(self.kinds, self.entries, strict=True)):
+            if entry is None:
                 continue
             if kind == KIND_NATIVE:
-                assert isinstance(payload, KVConnectorKVEvents)
-                events.extend(payload.get_all_events())
+                assert isinstance(entry, KVConnectorKVEvents)
+                events.extend(entry.get_all_events())
                 continue
-            assert isinstance(payload, EventBatch)
-            if payload.uncarried:
+            assert isinstance(entry, EventBatch)
+            if entry.uncarried:
                 sources = [
                     batch
                     for p in peers
                     if i < p.num_children
-                    and isinstance(batch := p.payloads[i], EventBatch)
+                    and isinstance(batch := p.entries[i], EventBatch)
                 ]
-                payload = payload.filled(sources)
-            events.extend(payload.decode())
+                entry = entry.filled(sources)
+            events.extend(entry.decode())
         return events
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -168,23 +164,23 @@ class WorkerOutput:
         reconstructor per message, not one per batch: each global an
         unpickler finds costs an import lookup, which at decode-size steps
         was most of an output's cost."""
-        payloads = self.payloads
+        entries = self.entries
         batches = []
         first: dict[int, int] = {}
-        wire: list[Any] = list(payloads)
-        for i, payload in enumerate(payloads):
-            if type(payload) is EventBatch:
-                at = first.get(id(payload))
+        wire: list[Any] = list(entries)
+        for i, entry in enumerate(entries):
+            if type(entry) is EventBatch:
+                at = first.get(id(entry))
                 if at is None:
-                    first[id(payload)] = i
-                    wire[i] = PickleBuffer(payload)  # type: ignore[arg-type]
+                    first[id(entry)] = i
+                    wire[i] = PickleBuffer(entry)  # type: ignore[arg-type]
                 else:
                     wire[i] = at
                 batches.append(i)
         return (
             self.rank,
             self.kinds,
-            tuple(wire) if batches else payloads,
+            tuple(wire) if batches else entries,
             self.factors,
             self.seq,
             self.settings,
@@ -196,7 +192,7 @@ class WorkerOutput:
             "None"
             if p is None
             else (f"{k}:{len(p)}" if isinstance(p, EventBatch) else f"{k}:{p!r}")
-            for k, p in zip(self.kinds, self.payloads, strict=True)
+            for k, p in zip(self.kinds, self.entries, strict=True)
         )
         return f"<WorkerOutput rank={self.rank} children=[{children}]>"
 
@@ -206,7 +202,7 @@ def _from_wire(*fields: Any) -> WorkerOutput:
     queue, where an exception is fatal to the engine; ``WorkerOutput.problem``
     checks it where one worker's output can be dropped.
 
-    A seventh field names the children whose payloads are a batch's bytes
+    A seventh field names the children whose entries are a batch's bytes
     (``WorkerOutput._wire``): rebuilt with ``EventBatch._from_pickle``, which
     never raises either (bad bytes give a batch whose ``error`` says why)."""
     output = object.__new__(WorkerOutput)
@@ -215,19 +211,19 @@ def _from_wire(*fields: Any) -> WorkerOutput:
         (
             output.rank,
             output.kinds,
-            payloads,
+            entries,
             output.factors,
             output.seq,
             output.settings,
             batches,
         ) = fields
-        output.payloads = _rebuild(payloads, batches)
+        output.entries = _rebuild(entries, batches)
         return output
     values = (*fields, *((None,) * 6))[:6]
     (
         output.rank,
         output.kinds,
-        output.payloads,
+        output.entries,
         output.factors,
         output.seq,
         output.settings,
@@ -235,18 +231,18 @@ def _from_wire(*fields: Any) -> WorkerOutput:
     return output
 
 
-def _rebuild(payloads: Any, batches: Any) -> Any:
-    """The payloads with each named child's buffer made a batch again, and
+def _rebuild(entries: Any, batches: Any) -> Any:
+    """The entries with each named child's buffer made a batch again, and
     each child that names an earlier one given that child's batch; as they
     came if ``batches`` is not a tuple of in-range ints (the output's checks
     then refuse them)."""
-    if not batches or type(payloads) is not tuple or type(batches) is not tuple:
-        return payloads
-    out = list(payloads)
+    if not batches or type(entries) is not tuple or type(batches) is not tuple:
+        return entries
+    out = list(entries)
     n = len(out)
     for i in batches:
         if type(i) is not int or not 0 <= i < n:
-            return payloads
+            return entries
         buffer = out[i]
         if type(buffer) is int:
             # The batch of an earlier child (left as it is if that is none).
