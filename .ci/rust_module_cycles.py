@@ -14,6 +14,8 @@ import re
 import sys
 from pathlib import Path
 
+from cycles import cycles
+
 ROOT = Path(__file__).resolve().parents[1]
 CRATES = ["rust/kvmerge-core/src", "rust/kvmerge-py/src"]
 TEST_MODULE = re.compile(
@@ -58,45 +60,14 @@ def edges(mods: dict[tuple[str, ...], str]) -> dict[tuple[str, ...], set]:
     return out
 
 
-def cycles(graph: dict[tuple[str, ...], set]) -> list[list[str]]:
-    index: dict = {}
-    low: dict = {}
-    stack: list = []
-    on: set = set()
-    found: list[list[str]] = []
-
-    def visit(v: tuple[str, ...]) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append("::".join(("crate", *w)))
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
 def main(crates: list[str]) -> int:
     bad = 0
     for crate in crates:
         graph = edges(modules(ROOT / crate))
-        found = cycles(graph)
+        found = [
+            sorted("::".join(("crate", *m)) for m in c)
+            for c in cycles(sorted(graph), graph.__getitem__)
+        ]
         n_edges = sum(map(len, graph.values()))
         print(f"{crate}: {len(graph)} modules, {n_edges} edges, {len(found)} cycles")
         for c in found:
