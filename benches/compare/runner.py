@@ -42,6 +42,14 @@ TARGET_SCHED_32 = 10.0
 #: rank silent (a full window pending), against every rank on time.
 TARGET_STRAGGLER = 1.3
 TARGET_SILENT = 2.0
+#: Issue 14: 32-byte block hashes (the "bytes" workload), TP 8 x 512.
+TARGET_BYTES_512 = 100.0
+#: Issue 14: decode-size steps (the "clears" workload: three children), TP 8 x
+#: 32: at most this many ms of path B's scheduler side, and this ratio.
+TARGET_DECODE_MS = 0.2
+TARGET_DECODE_RATIO = 40.0
+#: Issue 14: the worker side per rank, every case of the default (uniform) grid.
+TARGET_WORKER = 1.5
 
 
 @dataclass(frozen=True)
@@ -352,6 +360,51 @@ def targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     straggler("straggler", "last rank one step late", TARGET_STRAGGLER)
     straggler("silent", "last rank silent (full window pending)", TARGET_SILENT)
+
+    c = by_key.get("bytes/tp8/512")
+    name = (
+        "scheduler side, TP=8, 512 events, 32-byte hashes: "
+        f"A/B >= {TARGET_BYTES_512:g}x"
+    )
+    if c is None:
+        out.append({"target": name, "met": None, "value": "not measured"})
+    else:
+        r, cpu = c["ratio"]["scheduler_a_over_b"], c["ratio"]["scheduler_cpu_a_over_b"]
+        out.append(
+            {
+                "target": name,
+                "met": r >= TARGET_BYTES_512,
+                "value": f"{r:.0f}x (CPU time {cpu:.0f}x)",
+            }
+        )
+    c = by_key.get("clears/tp8/32")
+    name = (
+        f"B scheduler side, TP=8, 32 events, three children: <= {TARGET_DECODE_MS:g} "
+        f"ms and A/B >= {TARGET_DECODE_RATIO:g}x"
+    )
+    if c is None:
+        out.append({"target": name, "met": None, "value": "not measured"})
+    else:
+        ms, r = c["summary"]["B"]["scheduler_ms"], c["ratio"]["scheduler_a_over_b"]
+        out.append(
+            {
+                "target": name,
+                "met": ms <= TARGET_DECODE_MS and r >= TARGET_DECODE_RATIO,
+                "value": f"{ms:.3f} ms, {r:.0f}x",
+            }
+        )
+    grid = [c for c in cases if c["workload"] == "uniform"]
+    worst = min(grid, key=lambda c: c["ratio"]["worker_a_over_b"], default=None)
+    if worst is not None:
+        r = worst["ratio"]["worker_a_over_b"]
+        out.append(
+            {
+                "target": f"worker side per rank: A/B >= {TARGET_WORKER:g} "
+                "(every uniform case)",
+                "met": r >= TARGET_WORKER,
+                "value": f"worst A/B {r:.2f} ({worst['case']})",
+            }
+        )
     worst_w = min(cases, key=lambda c: c["ratio"]["worker_a_over_b"], default=None)
     if worst_w is not None:
         r = worst_w["ratio"]["worker_a_over_b"]

@@ -145,6 +145,7 @@ def _case(workload: str, events: int, b_ms: float) -> dict:
     summary = {"scheduler_ms": b_ms, "scheduler_cpu_ms": b_ms}
     return {
         "case": f"{workload}/tp8/{events}",
+        "workload": workload,
         "summary": {"A": summary, "B": summary},
         "ratio": {
             "scheduler_a_over_b": 1.0,
@@ -174,6 +175,42 @@ def test_straggler_targets_compare_with_the_healthy_case():
     assert sorted(late.values()) == [False, True]  # 1.2x met, 1.4x missed
     assert sorted(silent.values()) == [False, True]  # 2.5x missed, 1.2x met
     assert all("512" in k for k, v in late.items() if v)
+
+
+def test_issue_14_targets_are_reported():
+    from benches.compare.runner import targets
+
+    def case(workload: str, events: int, sched_ms: float, a_over_b: float) -> dict:
+        c = _case(workload, events, sched_ms)
+        c["ratio"]["scheduler_a_over_b"] = a_over_b
+        c["ratio"]["worker_a_over_b"] = a_over_b
+        return c
+
+    def verdicts(cases: list[dict]) -> dict[str, bool | None]:
+        wanted = ("32-byte hashes", "three children", "A/B >= 1.5 (every uniform")
+        return {
+            t["target"]: t["met"]
+            for t in targets(cases)
+            if any(w in t["target"] for w in wanted)
+        }
+
+    met = verdicts(
+        [
+            case("bytes", 512, 1.0, 120.0),
+            case("clears", 32, 0.15, 45.0),
+            case("uniform", 32, 0.2, 1.6),
+        ]
+    )
+    assert list(met.values()) == [True, True, True], met
+    missed = verdicts(
+        [
+            case("bytes", 512, 1.0, 80.0),
+            case("clears", 32, 0.25, 45.0),  # fast enough a ratio, too slow
+            case("uniform", 32, 0.2, 1.2),
+        ]
+    )
+    assert list(missed.values()) == [False, False, False], missed
+    assert set(verdicts([]).values()) == {None}
 
 
 def test_presets():
