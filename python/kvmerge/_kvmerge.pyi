@@ -27,6 +27,7 @@ __version__: str
 
 _Event = BlockStored | BlockRemoved | AllBlocksCleared
 _Rule = Literal["all", "quorum", "any"]
+_EventClass = Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"]
 
 class KVMergeError(Exception):
     """Base of every error kvmerge raises."""
@@ -92,9 +93,13 @@ class EventBatch:
         """This batch with the bytes it does not carry taken from `sources` (other
         ranks' batches of the same step and child), by identity."""
 
-    def kinds(self) -> list[str]:
+    def kinds(self) -> list[_EventClass]:
         """Each event's class name ("BlockStored", "BlockRemoved" or
         "AllBlocksCleared"), without decoding."""
+
+    def indices(self, kind: _EventClass) -> list[int]:
+        """The indices of the events of class `kind`, in order, without
+        decoding (`ValueError` for another name)."""
 
     def take(self, indices: Sequence[int]) -> EventBatch:
         """A new batch of the events at `indices`, in that order, without decoding."""

@@ -195,6 +195,17 @@ def test_kinds(evs):
     assert kvmerge.encode(evs).kinds() == [type(e).__name__ for e in evs]
 
 
+@given(event_lists)
+def test_indices_of_a_kind(evs):
+    batch = kvmerge.encode(evs)
+    for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+        want = [i for i, e in enumerate(evs) if type(e).__name__ == name]
+        assert batch.indices(name) == want
+        assert batch.take(want).decode() == [evs[i] for i in want]
+    with pytest.raises(ValueError, match="not an event class name"):
+        batch.indices("KVCacheEvent")  # type: ignore[arg-type]
+
+
 @given(event_lists, st.data())
 def test_take(evs, data):
     batch = kvmerge.encode(evs)

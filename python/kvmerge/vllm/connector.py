@@ -345,8 +345,7 @@ class _Child:
             if self.invalidate is not None:
                 batch = merger.finish_step_batch()
                 # The hook only reads removals: decode those alone.
-                kinds = batch.kinds()
-                removed = [i for i, k in enumerate(kinds) if k == "BlockRemoved"]
+                removed = batch.indices("BlockRemoved")
                 if removed:
                     self.invalidate(batch.take(removed).decode())
                 self.out.extend(batch.decode() if self.objects else batch.raw())

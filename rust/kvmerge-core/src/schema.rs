@@ -39,6 +39,11 @@ impl EventKind {
         }
     }
 
+    /// The kind a class name ("BlockStored", ...) names: the inverse of `name`.
+    pub fn from_name(name: &str) -> Option<EventKind> {
+        EventKind::from_tag(name.as_bytes())
+    }
+
     fn from_tag(tag: &[u8]) -> Option<EventKind> {
         match tag {
             b"BlockStored" => Some(EventKind::BlockStored),

@@ -4,7 +4,7 @@
 use std::ffi::c_int;
 use std::sync::Arc;
 
-use kvmerge_core::{Backing, Batch, FillError};
+use kvmerge_core::{Backing, Batch, EventKind, FillError};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -288,6 +288,21 @@ impl PyEventBatch {
     fn kinds(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
         let batch = self.batch(py)?;
         Ok((0..batch.len()).map(|i| batch.kind(i).name()).collect())
+    }
+
+    // One pass over the records: the connector's removal hook needs a few
+    // indices out of hundreds of events, not a string per event.
+    fn indices(&self, py: Python<'_>, kind: &str) -> PyResult<Vec<usize>> {
+        let batch = self.batch(py)?;
+        let kind = EventKind::from_name(kind).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "indices: {kind:?} is not an event class name (\"BlockStored\", \
+                 \"BlockRemoved\" or \"AllBlocksCleared\")"
+            ))
+        })?;
+        Ok((0..batch.len())
+            .filter(|&i| batch.kind(i) == kind)
+            .collect())
     }
 
     fn take(&self, py: Python<'_>, indices: Vec<Bound<'_, PyAny>>) -> PyResult<Self> {
