@@ -134,8 +134,8 @@ class ChildDiff:
             )
 
 
-def rule_of(kind: str) -> tuple[Rule, list[int] | None]:
-    rule = bench_children.KINDS[kind][1]
+def rule_of(family: str) -> tuple[Rule, list[int] | None]:
+    rule = bench_children.FAMILIES[family][1]
     factors = list(bench_children.MOONCAKE_FACTORS) if rule == "quorum" else None
     return rule, factors
 
@@ -145,13 +145,13 @@ class Checker:
     """Runs the model beside the paths, one step at a time."""
 
     world_size: int
-    kinds: tuple[str, ...]
+    families: tuple[str, ...]
     models: list[Any] = field(default_factory=list)
     diffs: dict[str, list[ChildDiff]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for kind in self.kinds:
-            rule, factors = rule_of(kind)
+        for family in self.families:
+            rule, factors = rule_of(family)
             self.models.append(
                 reference.ReferenceMerger(
                     self.world_size, rule, factors, DEFAULT_MAX_PENDING_STEPS
@@ -161,15 +161,17 @@ class Checker:
     def expected(self, step: Step) -> list[list[bytes]]:
         """The model's output for this step, per child."""
         out = []
-        for i, (kind, model) in enumerate(zip(self.kinds, self.models, strict=True)):
+        for i, (family, model) in enumerate(
+            zip(self.families, self.models, strict=True)
+        ):
             for rank in range(self.world_size):
-                model.add(rank, bench_children.reported(kind, step.events[i][rank]))
+                model.add(rank, bench_children.reported(family, step.events[i][rank]))
             out.append([reference.identity(e) for e in model.finish_step()])
         return out
 
     def compare(
         self, path: str, step: int, want: list[list[bytes]], got: list[list[Any]]
     ) -> None:
-        diffs = self.diffs.setdefault(path, [ChildDiff() for _ in self.kinds])
+        diffs = self.diffs.setdefault(path, [ChildDiff() for _ in self.families])
         for i, events in enumerate(got):
             diffs[i].compare(step, want[i], [identity(e) for e in events])

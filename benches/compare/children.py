@@ -51,8 +51,8 @@ from kvmerge.sim.children import (
 
 MODULE = __name__
 
-#: child kind -> (connector class name in this module, rule kvmerge applies)
-KINDS: dict[str, tuple[str, Rule]] = {
+#: child family -> (connector class name in this module, rule kvmerge applies)
+FAMILIES: dict[str, tuple[str, Rule]] = {
     "lmcache": ("BenchLMCacheConnector", "all"),
     "mooncake": ("BenchMooncakeConnector", "quorum"),
     "list": ("BenchListConnector", "all"),
@@ -132,7 +132,7 @@ class BenchListConnector(_Fed):
         return events
 
 
-#: child kind -> the function its worker uses to build a container.
+#: child family -> the function its worker uses to build a container.
 CONTAINERS = {
     "lmcache": lmcache_container,
     "mooncake": mooncake_container,
@@ -140,9 +140,9 @@ CONTAINERS = {
 }
 
 
-def reported(kind: str, events: list[KVCacheEvent]) -> list[KVCacheEvent]:
+def reported(family: str, events: list[KVCacheEvent]) -> list[KVCacheEvent]:
     """What a worker of this child reports for ``events``: its container's
     ``get_all_events()`` (Counter containers group repeated events together),
     or nothing when it returns no container."""
-    container = CONTAINERS[kind](events)
+    container = CONTAINERS[family](events)
     return [] if container is None else list(container.get_all_events())

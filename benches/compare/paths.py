@@ -53,11 +53,11 @@ SCHEDULER = KVConnectorRole.SCHEDULER
 WORKER = KVConnectorRole.WORKER
 
 
-def bench_entry(kind: str) -> dict[str, Any]:
-    """The ``connectors`` entry of the benchmark's child of ``kind``."""
-    cls_name, rule = bench_children.KINDS[kind]
+def bench_entry(family: str) -> dict[str, Any]:
+    """The ``connectors`` entry of the benchmark's child of ``family``."""
+    cls_name, rule = bench_children.FAMILIES[family]
     extra: dict[str, Any] = {}
-    if kind == "list":
+    if family == "list":
         # An unknown container: kvmerge merges it only when told a rule.
         extra["kv_events_merge"] = rule
     return child_entry(cls_name, bench_children.MODULE, extra)
@@ -78,10 +78,10 @@ def _quiet() -> Iterator[None]:
 
 @lru_cache(maxsize=32)
 def path_config(
-    connector: str, world_size: int, kinds: tuple[str, ...], output: str = "raw"
+    connector: str, world_size: int, families: tuple[str, ...], output: str = "raw"
 ) -> VllmConfig:
     """The config of a path: ``connector`` (vLLM's ``MultiConnector`` by its
-    name, or kvmerge's) over the children of ``kinds``, TP ``world_size``."""
+    name, or kvmerge's) over the children of ``families``, TP ``world_size``."""
     module_path = None
     extra: dict[str, Any] = {}
     if connector == CONNECTOR:
@@ -89,7 +89,7 @@ def path_config(
         extra = {MAX_PENDING_KEY: DEFAULT_MAX_PENDING_STEPS, OUTPUT_KEY: output}
     with _quiet():
         return connector_config(
-            [bench_entry(k) for k in kinds],
+            [bench_entry(k) for k in families],
             tp=world_size,
             connector=connector,
             module_path=module_path,
@@ -114,9 +114,9 @@ class Path:
     name = "?"
     label = "?"
 
-    def __init__(self, world_size: int, kinds: Sequence[str]) -> None:
+    def __init__(self, world_size: int, families: Sequence[str]) -> None:
         self.world_size = world_size
-        self.kinds = tuple(kinds)
+        self.families = tuple(families)
         self.workers: list[Any] = []
 
     def feed(self, events: Sequence[Sequence[Sequence[Any]]]) -> None:
@@ -142,9 +142,9 @@ class PathA(Path):
     name = "A"
     label = "vLLM 0.33.0"
 
-    def __init__(self, world_size: int, kinds: Sequence[str]) -> None:
-        super().__init__(world_size, kinds)
-        cfg = path_config("MultiConnector", world_size, self.kinds)
+    def __init__(self, world_size: int, families: Sequence[str]) -> None:
+        super().__init__(world_size, families)
+        cfg = path_config("MultiConnector", world_size, self.families)
         self.multi = _build(cfg, SCHEDULER)
         self.children = self.multi.sub_connectors
         self.workers = [
@@ -186,16 +186,16 @@ class PathB(Path):
     label = "kvmerge"
 
     def __init__(
-        self, world_size: int, kinds: Sequence[str], output: str = "raw"
+        self, world_size: int, families: Sequence[str], output: str = "raw"
     ) -> None:
-        super().__init__(world_size, kinds)
-        cfg = path_config(CONNECTOR, world_size, self.kinds, output)
+        super().__init__(world_size, families)
+        cfg = path_config(CONNECTOR, world_size, self.families, output)
         self.connector = _build(cfg, SCHEDULER)
         self.workers = [
             _build(worker_config(cfg, r), WORKER) for r in range(world_size)
         ]
         self.aggregator = KVOutputAggregator.from_connector(self.connector, world_size)
-        self._published = [0] * len(self.kinds)
+        self._published = [0] * len(self.families)
 
     def worker(self, rank: int) -> Wire:
         return enqueue(_wrap(self.workers[rank].get_kv_connector_kv_cache_events()))

@@ -261,10 +261,10 @@ def profile_case(
     }
 
 
-def _rule(kind: str) -> tuple[Rule, list[int] | None]:
+def _rule(family: str) -> tuple[Rule, list[int] | None]:
     from .check import rule_of
 
-    return rule_of(kind)
+    return rule_of(family)
 
 
 def format_profile(p: dict[str, Any]) -> str:

@@ -41,8 +41,8 @@ def _check(case: dict[str, Any], path: str) -> str:
     if not check:
         return "skipped" if "check_skipped" in case else "-"
     return ", ".join(
-        f"{kind}:{_diff_summary(d)}"
-        for kind, d in zip(case["children"], check.get(path, []), strict=False)
+        f"{family}:{_diff_summary(d)}"
+        for family, d in zip(case["children"], check.get(path, []), strict=False)
     )
 
 
@@ -121,12 +121,12 @@ def differences(cases: Sequence[dict[str, Any]]) -> list[str]:
     lines = []
     for c in cases:
         for path in ("A", "B"):
-            for kind, d in zip(
+            for family, d in zip(
                 c["children"], (c.get("check") or {}).get(path, []), strict=False
             ):
                 if not d["equal"]:
                     lines.append(
-                        f"{c['case']} path {path} {kind}: "
+                        f"{c['case']} path {path} {family}: "
                         f"{d['steps'] - d['steps_equal']}/{d['steps']} steps differ; "
                         f"{d['first_difference']}"
                     )

@@ -94,7 +94,7 @@ class Step:
 
 @dataclass
 class _ChildState:
-    kind: str
+    family: str
     #: Stores still live (their hash lists), for removals to pick from.
     live: list[list[Any]] = field(default_factory=list)
     last_hash: Any = None
@@ -131,8 +131,8 @@ class Workload:
         self.config = config
         self._rng = random.Random(config.seed)
         self._children = [
-            _ChildState(kind, carry=[[] for _ in range(config.world_size)])
-            for kind in config.children
+            _ChildState(family, carry=[[] for _ in range(config.world_size)])
+            for family in config.children
         ]
         self._step = 0
 
@@ -149,7 +149,7 @@ class Workload:
 
     def _event(self, child: _ChildState) -> Any:
         cfg, rng = self.config, self._rng
-        medium = MEDIUM.get(child.kind, "CPU")
+        medium = MEDIUM.get(child.family, "CPU")
         if child.live and rng.random() < cfg.removed:
             hashes = child.live.pop(rng.randrange(len(child.live)))
             return BlockRemoved(block_hashes=list(hashes), medium=medium)
@@ -169,7 +169,7 @@ class Workload:
             lora_id=None,
             medium=medium,
             lora_name=None,
-            group_idx=0 if child.kind in GROUPED else None,
+            group_idx=0 if child.family in GROUPED else None,
         )
 
     # --- steps -------------------------------------------------------------
@@ -181,7 +181,7 @@ class Workload:
         logical = [self._event(child) for _ in range(cfg.events)]
         if (
             cfg.clear_every
-            and child.kind in CLEARABLE
+            and child.family in CLEARABLE
             and (index + 1) % cfg.clear_every == 0
         ):
             logical.insert(rng.randrange(len(logical) + 1), AllBlocksCleared())

@@ -50,63 +50,63 @@ def is_merged(rule: str | None) -> TypeGuard[Rule]:
     return rule in RULES
 
 
-#: The kind of a child's container, as the worker records it for each child
+#: The family of a child's container, as the worker records it for each child
 #: (plain strings: they travel pickled in every ``WorkerOutput``).
-Kind: TypeAlias = Literal["lmcache", "mooncake", "umbp", "other", "native", "refused"]
-KIND_LMCACHE: Final = "lmcache"
-KIND_MOONCAKE: Final = "mooncake"
-KIND_UMBP: Final = "umbp"
+Family: TypeAlias = Literal["lmcache", "mooncake", "umbp", "other", "native", "refused"]
+FAMILY_LMCACHE: Final = "lmcache"
+FAMILY_MOONCAKE: Final = "mooncake"
+FAMILY_UMBP: Final = "umbp"
 #: An unknown container whose events were encoded because of an override.
-KIND_OTHER: Final = "other"
+FAMILY_OTHER: Final = "other"
 #: The child's own container, carried as is.
-KIND_NATIVE: Final = "native"
+FAMILY_NATIVE: Final = "native"
 #: The worker could not encode the child's events: the entry says why.
-KIND_REFUSED: Final = "refused"
+FAMILY_REFUSED: Final = "refused"
 #: Kinds whose child carries an ``EventBatch``.
-ENCODED_KINDS: Final[frozenset[Kind]] = frozenset(
-    {KIND_LMCACHE, KIND_MOONCAKE, KIND_UMBP, KIND_OTHER}
+ENCODED_FAMILIES: Final[frozenset[Family]] = frozenset(
+    {FAMILY_LMCACHE, FAMILY_MOONCAKE, FAMILY_UMBP, FAMILY_OTHER}
 )
 
-_KNOWN_CONTAINERS: Final[tuple[tuple[str, str, Kind], ...]] = (
+_KNOWN_CONTAINERS: Final[tuple[tuple[str, str, Family], ...]] = (
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
         "LMCacheKVEvents",
-        KIND_LMCACHE,
+        FAMILY_LMCACHE,
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector",
         "MooncakeStoreKVEvents",
-        KIND_MOONCAKE,
+        FAMILY_MOONCAKE,
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector",
         "UMBPStoreKVEvents",
-        KIND_UMBP,
+        FAMILY_UMBP,
     ),
 )
 
-INFERRED_RULES: Final[Mapping[Kind, ChildRule]] = {
-    KIND_LMCACHE: "all",
-    KIND_MOONCAKE: "quorum",
-    KIND_UMBP: "any",
-    KIND_OTHER: "native",
-    KIND_NATIVE: "native",
+INFERRED_RULES: Final[Mapping[Family, ChildRule]] = {
+    FAMILY_LMCACHE: "all",
+    FAMILY_MOONCAKE: "quorum",
+    FAMILY_UMBP: "any",
+    FAMILY_OTHER: "native",
+    FAMILY_NATIVE: "native",
 }
 
 
-def container_kind(container: object) -> Kind:
-    """The kind of a child's container: one of the known vLLM types, else other.
+def container_family(container: object) -> Family:
+    """The family of a child's container: one of the known vLLM types, else other.
 
     Looks the classes up in ``sys.modules`` instead of importing them: a
     container of a class can only exist once the class's module is loaded, so
     this costs no import and still honours subclasses.
     """
-    for module_name, class_name, kind in _KNOWN_CONTAINERS:
+    for module_name, class_name, family in _KNOWN_CONTAINERS:
         module = sys.modules.get(module_name)
         cls = getattr(module, class_name, None) if module is not None else None
         if cls is not None and isinstance(container, cls):
-            return kind
-    return KIND_OTHER
+            return family
+    return FAMILY_OTHER
 
 
 def container_factors(container: object, connector: object) -> tuple[int, ...] | None:
@@ -137,11 +137,11 @@ class ChildSpec:
     def label(self) -> str:
         return f"connectors[{self.index}] ({self.name})"
 
-    def rule_for(self, kind: Kind) -> ChildRule:
-        """The rule this child merges with, given its container kind:
-        the configured one, else the one the kind implies (the worker, which
+    def rule_for(self, family: Family) -> ChildRule:
+        """The rule this child merges with, given its container family:
+        the configured one, else the one the family implies (the worker, which
         decides whose bytes travel, and the scheduler must agree)."""
-        return self.rule or INFERRED_RULES[kind]
+        return self.rule or INFERRED_RULES[family]
 
     @property
     def encodes(self) -> bool | None:

@@ -44,18 +44,18 @@ from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError
 from .alias import MODULE_PATH, UPSTREAM_NAME
 from .config import (
     FACTORS_KEY,
-    KIND_MOONCAKE,
-    KIND_NATIVE,
-    KIND_OTHER,
-    KIND_REFUSED,
+    FAMILY_MOONCAKE,
+    FAMILY_NATIVE,
+    FAMILY_OTHER,
+    FAMILY_REFUSED,
     MERGE_KEY,
     ChildSpec,
-    Kind,
+    Family,
     Mode,
     MultiSpec,
     Output,
     container_factors,
-    container_kind,
+    container_family,
     is_merged,
     parse_multi,
 )
@@ -151,9 +151,9 @@ class _Child:
         #: Merged or native once known (configured, or from the first
         #: container a worker sent).
         self.mode: Mode | None = None
-        #: The first container kind seen (a child whose rule is inferred must
+        #: The first container family seen (a child whose rule is inferred must
         #: stay consistent).
-        self.kind: Kind | None = None
+        self.family: Family | None = None
         self.rule: Rule | None = None
         self.factors: tuple[int, ...] | None = None
         self.factors_source = ""
@@ -183,7 +183,7 @@ class _Child:
     def _rule_setting(self) -> str:
         if self.spec.rule is not None:
             return f"{MERGE_KEY}={self.spec.rule!r}"
-        return f"{MERGE_KEY} (inferred {self.rule!r} from a {self.kind} container)"
+        return f"{MERGE_KEY} (inferred {self.rule!r} from a {self.family} container)"
 
     def _make_merger(
         self, rule: Rule, factors: tuple[int, ...] | None, source: str
@@ -212,40 +212,41 @@ class _Child:
             self.max_pending_steps,
         )
 
-    def _resolve(self, kind: Kind, reported: tuple[int, ...] | None) -> str | None:
-        """Fix this child's mode, kind and merger from a rank's container of
-        ``kind`` (with the replication factors it ``reported``); or say why
+    def _resolve(self, family: Family, reported: tuple[int, ...] | None) -> str | None:
+        """Fix this child's mode, family and merger from a rank's container of
+        ``family`` (with the replication factors it ``reported``); or say why
         this rank's container cannot join this child."""
-        if self.kind is None:
-            self.kind = kind
-        elif kind != self.kind:
+        if self.family is None:
+            self.family = family
+        elif family != self.family:
             return (
-                f"a {kind} container, but this child returned {self.kind} "
+                f"a {family} container, but this child returned {self.family} "
                 "containers before"
             )
         if self.mode is None:
-            self.mode = "native" if self.kind == KIND_NATIVE else "merge"
-        elif (kind == KIND_NATIVE) != (self.mode == "native"):
+            self.mode = "native" if self.family == FAMILY_NATIVE else "merge"
+        elif (family == FAMILY_NATIVE) != (self.mode == "native"):
             # The worker decided otherwise than this side's configuration.
             return (
-                f"a {kind} {'container' if kind == KIND_NATIVE else 'batch'}, but "
+                f"a {family} "
+                f"{'container' if family == FAMILY_NATIVE else 'batch'}, but "
                 f"the scheduler's {MERGE_KEY} setting is {self.spec.rule!r}: "
                 "workers and scheduler must share the same kv_transfer_config"
             )
         if self.mode != "merge":
             return None
         if self.merger is None:
-            rule = self.spec.rule_for(kind)
+            rule = self.spec.rule_for(family)
             if not is_merged(rule):
-                # An encoded container of a kind this side passes through.
+                # An encoded container of a family this side passes through.
                 return (
-                    f"a {kind} batch, but the scheduler infers {MERGE_KEY}="
-                    f"{rule!r} for a {kind} container: workers and scheduler must "
+                    f"a {family} batch, but the scheduler infers {MERGE_KEY}="
+                    f"{rule!r} for a {family} container: workers and scheduler must "
                     "share the same kv_transfer_config"
                 )
             factors, source = self.spec.factors, FACTORS_KEY
             if rule == "quorum" and factors is None:
-                factors, source = reported, f"the {kind} container"
+                factors, source = reported, f"the {family} container"
                 if factors is None:
                     return (
                         f"{MERGE_KEY}='quorum' needs replication factors, one per "
@@ -281,47 +282,47 @@ class _Child:
         """One aggregated step of this child, from the (checked, rank-ordered)
         worker outputs; returns this child's native container, if any.
 
-        A rank's batch that cannot be merged (of another kind than this
+        A rank's batch that cannot be merged (of another family than this
         child's, a bad batch, a group without a factor, a batch that does not
         carry bytes it must carry) is dropped and counted (``refused``); the
         other ranks' batches merge as if it had not been sent.
 
-        Once this child's mode, kind and merger are fixed, a valid batch of
-        that kind (with no factors, or this child's own) is taken as it is:
+        Once this child's mode, family and merger are fixed, a valid batch of
+        that family (with no factors, or this child's own) is taken as it is:
         everything ``child_problem`` and ``_resolve`` check holds for it.
         """
         index = self.spec.index
         empty = _empty_batch()
         merging = self.mode == "merge" and self.merger is not None
-        known = self.kind
+        known = self.family
         batches: list[tuple[int, Any]] = []
         present: list[Any] = []
         for output in outputs:
-            kind = output.kinds[index]
+            family = output.families[index]
             entry = output.entries[index]
             if (
                 merging
                 and type(entry) is EventBatch
-                and type(kind) is str
-                and kind == known
+                and type(family) is str
+                and family == known
                 and entry.error is None
             ):
                 factors = output.factors[index]
                 if factors is None or self._known_factors(factors):
                     batches.append((output.rank, entry))
                     continue
-            elif kind is None and entry is None:
+            elif family is None and entry is None:
                 batches.append((output.rank, empty))
                 continue
             why = output.child_problem(index)
-            if why is None and kind is not None:
-                why = self._resolve(kind=kind, reported=output.factors[index])
+            if why is None and family is not None:
+                why = self._resolve(family=family, reported=output.factors[index])
                 merging = self.mode == "merge" and self.merger is not None
-                known = self.kind
+                known = self.family
             if why is not None:
                 refusals.refuse(self, output.rank, why)
                 batches.append((output.rank, empty))
-            elif kind is None:
+            elif family is None:
                 batches.append((output.rank, empty))
             else:
                 present.append(entry)
@@ -476,7 +477,7 @@ class KVMergeMultiConnector(MultiConnector):
 
     def get_kv_connector_kv_cache_events(self) -> KVMergeKVEvents:
         n = len(self._connectors)
-        kinds: list[Kind | None] = [None] * n
+        families: list[Family | None] = [None] * n
         entries: list[Any] = [None] * n
         factors: list[tuple[int, ...] | None] = [None] * n
         for i, (spec, connector) in enumerate(
@@ -486,21 +487,21 @@ class KVMergeMultiConnector(MultiConnector):
             container = connector.get_kv_connector_kv_cache_events()
             if container is None:
                 continue
-            kind = container_kind(container)
+            family = container_family(container)
             encode = spec.encodes
             if encode is None:
-                encode = kind != KIND_OTHER
+                encode = family != FAMILY_OTHER
             if not encode:
-                kinds[i], entries[i] = KIND_NATIVE, container
+                families[i], entries[i] = FAMILY_NATIVE, container
                 continue
             if not self._events_enabled:
                 continue
-            if kind == KIND_MOONCAKE:
+            if family == FAMILY_MOONCAKE:
                 factors[i] = container_factors(container, connector)
             events = container.get_all_events()
             try:
                 entries[i] = (
-                    self._encode(events, spec, kind, factors[i])
+                    self._encode(events, spec, family, factors[i])
                     if events
                     else _empty_batch()
                 )
@@ -517,14 +518,14 @@ class KVMergeMultiConnector(MultiConnector):
                     self.worker_rank,
                     why,
                 )
-                kinds[i], entries[i] = KIND_REFUSED, why
+                families[i], entries[i] = FAMILY_REFUSED, why
                 continue
-            kinds[i] = kind
+            families[i] = family
         seq = self._seq
         self._seq += 1
         output = WorkerOutput(
             self.worker_rank,
-            tuple(kinds),
+            tuple(families),
             tuple(entries),
             tuple(factors),
             seq=seq,
@@ -542,13 +543,13 @@ class KVMergeMultiConnector(MultiConnector):
         self,
         events: list[Any],
         spec: ChildSpec,
-        kind: Kind,
+        family: Family,
         reported: tuple[int, ...] | None,
     ) -> EventBatch:
         """This rank's batch of a child's events: every event's record, and
         the bytes only of the events this rank carries under the rule the
         scheduler's merger applies (``kvmerge.encode`` with a rank)."""
-        rule = spec.rule_for(kind)
+        rule = spec.rule_for(family)
         factors = spec.factors if spec.factors is not None else reported
         if not is_merged(rule) or (rule == "quorum" and not factors):
             # No merger can take this batch (the scheduler says why): keep it all.
@@ -588,14 +589,18 @@ class KVMergeMultiConnector(MultiConnector):
             # found in the world).
             if type(output) is WorkerOutput and output.settings is None:
                 rank, seq = output.rank, output.seq
-                kinds, entries, factors = output.kinds, output.entries, output.factors
+                families, entries, factors = (
+                    output.families,
+                    output.entries,
+                    output.factors,
+                )
                 if (
                     type(rank) is int
                     and type(seq) is int
-                    and type(kinds) is tuple
+                    and type(families) is tuple
                     and type(entries) is tuple
                     and type(factors) is tuple
-                    and len(kinds) == len(entries) == len(factors) == n
+                    and len(families) == len(entries) == len(factors) == n
                     and rank not in by_rank
                     and rank not in misconfigured
                     and last_seq.get(rank) == seq - 1
@@ -656,7 +661,7 @@ class KVMergeMultiConnector(MultiConnector):
             self._misconfigured.discard(rank)
         if rank in self._misconfigured:
             return "its settings differ from the scheduler's (logged at its start)"
-        if len(output.kinds) != len(self._children):
+        if len(output.families) != len(self._children):
             return (
                 f"{output.num_children} children for {len(self._children)} "
                 "connectors: workers and scheduler must share the same "

@@ -32,44 +32,46 @@ from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from kvmerge import EventBatch
 
-from .config import ENCODED_KINDS, KIND_NATIVE, KIND_REFUSED, Kind
+from .config import ENCODED_FAMILIES, FAMILY_NATIVE, FAMILY_REFUSED, Family
 from .settings import WorkerSettings
 
 #: ``EventBatch``'s pickle reconstructor (never raises; not in the stubs).
 _batch_from_pickle = EventBatch._from_pickle  # type: ignore[attr-defined]
 
 #: What a worker sends for one child: its encoded batch, its own container
-#: (a native child), why the worker could not encode its events (kind
-#: ``KIND_REFUSED``), or None when the child returned None this step.
+#: (a native child), why the worker could not encode its events (family
+#: ``FAMILY_REFUSED``), or None when the child returned None this step.
 Entry: TypeAlias = "EventBatch | KVConnectorKVEvents | str | None"
 
 
 class WorkerOutput:
     """What one worker sends for one step.
 
-    ``kinds[i]`` is the kind of child ``i``'s container (see ``config``), or
+    ``families[i]`` is the family of child ``i``'s container (see ``config``), or
     None when child ``i`` returned None; ``entries[i]`` its encoded batch or,
-    for a native child, its own container (for kind ``KIND_REFUSED``, why the
+    for a native child, its own container (for family ``FAMILY_REFUSED``, why the
     worker could not encode it); ``factors[i]`` the replication factors a
     Mooncake store container carried. ``seq`` counts the worker's outputs (0
     for the first of its process, which also carries its ``settings``).
     """
 
-    __slots__ = ("entries", "factors", "kinds", "rank", "seq", "settings")
+    __slots__ = ("entries", "factors", "families", "rank", "seq", "settings")
 
     def __init__(
         self,
         rank: int,
-        kinds: tuple[Kind | None, ...],
+        families: tuple[Family | None, ...],
         entries: tuple[Entry, ...],
         factors: tuple[tuple[int, ...] | None, ...],
         seq: int = 0,
         settings: WorkerSettings | None = None,
     ) -> None:
-        if not (len(kinds) == len(entries) == len(factors)):
-            raise ValueError("kinds, entries and factors must have one entry per child")
+        if not (len(families) == len(entries) == len(factors)):
+            raise ValueError(
+                "families, entries and factors must have one entry per child"
+            )
         self.rank = rank
-        self.kinds = kinds
+        self.families = families
         self.entries = entries
         self.factors = factors
         self.seq = seq
@@ -84,32 +86,34 @@ class WorkerOutput:
         """
         if type(self.rank) is not int or type(self.seq) is not int:
             return f"rank {self.rank!r} / seq {self.seq!r} are not integers"
-        kinds, entries, factors = self.kinds, self.entries, self.factors
+        families, entries, factors = self.families, self.entries, self.factors
         if not (
-            type(kinds) is tuple and type(entries) is tuple and type(factors) is tuple
+            type(families) is tuple
+            and type(entries) is tuple
+            and type(factors) is tuple
         ):
-            return "kinds, entries and factors are not tuples"
-        if not (len(kinds) == len(entries) == len(factors)):
-            return "kinds, entries and factors have different lengths"
+            return "families, entries and factors are not tuples"
+        if not (len(families) == len(entries) == len(factors)):
+            return "families, entries and factors have different lengths"
         return None
 
     def child_problem(self, index: int) -> str | None:
         """Why what this output holds for child ``index`` cannot be merged, or
         None."""
-        kind, entry = self.kinds[index], self.entries[index]
+        family, entry = self.families[index], self.entries[index]
         factors = self.factors[index]
-        if kind is None:
-            return None if entry is None else "an entry without a kind"
-        if type(kind) is not str:
-            return f"a container kind of type {type(kind).__name__}"
-        if kind == KIND_REFUSED:
+        if family is None:
+            return None if entry is None else "an entry without a family"
+        if type(family) is not str:
+            return f"a container family of type {type(family).__name__}"
+        if family == FAMILY_REFUSED:
             return f"the worker could not encode it: {str(entry)[:500]}"
-        if kind == KIND_NATIVE:
+        if family == FAMILY_NATIVE:
             if isinstance(entry, KVConnectorKVEvents):
                 return None
             return f"a native child's container is a {type(entry).__name__}"
-        if kind not in ENCODED_KINDS:
-            return f"an unknown container kind {kind[:50]!r}"
+        if family not in ENCODED_FAMILIES:
+            return f"an unknown container family {family[:50]!r}"
         if factors is not None and not (
             type(factors) is tuple
             and factors
@@ -117,12 +121,12 @@ class WorkerOutput:
         ):
             return f"replication factors {str(factors)[:100]} are not positive ints"
         if not isinstance(entry, EventBatch):
-            return f"a {kind} batch is a {type(entry).__name__}, not an EventBatch"
+            return f"a {family} batch is a {type(entry).__name__}, not an EventBatch"
         return entry.error
 
     @property
     def num_children(self) -> int:
-        return len(self.kinds)
+        return len(self.families)
 
     def decode(self, peers: Sequence[WorkerOutput] = ()) -> list[KVCacheEvent]:
         """Every child's events as objects, in child order (not on the hot
@@ -133,10 +137,12 @@ class WorkerOutput:
         ``IncompleteBatchError`` if none of them carries an event's bytes.
         """
         events: list[KVCacheEvent] = []
-        for i, (kind, entry) in enumerate(zip(self.kinds, self.entries, strict=True)):
+        for i, (family, entry) in enumerate(
+            zip(self.families, self.entries, strict=True)
+        ):
             if entry is None:
                 continue
-            if kind == KIND_NATIVE:
+            if family == FAMILY_NATIVE:
                 assert isinstance(entry, KVConnectorKVEvents)
                 events.extend(entry.get_all_events())
                 continue
@@ -179,7 +185,7 @@ class WorkerOutput:
                 batches.append(i)
         return (
             self.rank,
-            self.kinds,
+            self.families,
             tuple(wire) if batches else entries,
             self.factors,
             self.seq,
@@ -192,7 +198,7 @@ class WorkerOutput:
             "None"
             if p is None
             else (f"{k}:{len(p)}" if isinstance(p, EventBatch) else f"{k}:{p!r}")
-            for k, p in zip(self.kinds, self.entries, strict=True)
+            for k, p in zip(self.families, self.entries, strict=True)
         )
         return f"<WorkerOutput rank={self.rank} children=[{children}]>"
 
@@ -210,7 +216,7 @@ def _from_wire(*fields: Any) -> WorkerOutput:
     if n == 7:
         (
             output.rank,
-            output.kinds,
+            output.families,
             entries,
             output.factors,
             output.seq,
@@ -222,7 +228,7 @@ def _from_wire(*fields: Any) -> WorkerOutput:
     values = (*fields, *((None,) * 6))[:6]
     (
         output.rank,
-        output.kinds,
+        output.families,
         output.entries,
         output.factors,
         output.seq,

@@ -51,15 +51,15 @@ def _float_in(lo: float, hi: float) -> Callable[[str], float]:
 
 
 def _connectors(text: str) -> tuple[str, ...]:
-    kinds = tuple(k.strip().lower() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in FAMILIES]
-    if unknown or not kinds:
+    families = tuple(k.strip().lower() for k in text.split(",") if k.strip())
+    unknown = [k for k in families if k not in FAMILIES]
+    if unknown or not families:
         raise argparse.ArgumentTypeError(
             f"expected a comma-separated list of {', '.join(FAMILIES)}: {text!r}"
         )
-    if len(set(kinds)) != len(kinds):
+    if len(set(families)) != len(families):
         raise argparse.ArgumentTypeError(f"a connector is listed twice: {text!r}")
-    return kinds
+    return families
 
 
 def _ipc_endpoint(text: str) -> str:

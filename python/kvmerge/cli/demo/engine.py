@@ -241,8 +241,8 @@ class _Demo:
         from kvmerge.sim.children import FAMILY
 
         rows = []
-        for index, kind in enumerate(self.args.connectors):
-            row = ChildRow(FAMILY[kind].cls.__name__, _rule_text(kind, self.args))
+        for index, family in enumerate(self.args.connectors):
+            row = ChildRow(FAMILY[family].cls.__name__, _rule_text(family, self.args))
             st = merge_stats[index] if index < len(merge_stats) else None
             if st:
                 row.reports = st["reports"]
@@ -343,12 +343,12 @@ class _Demo:
             + " with worker processes"
         )
         rows = []
-        for kind in args.connectors:
-            m = FAMILY[kind].cls.MEDIUM
+        for family in args.connectors:
+            m = FAMILY[family].cls.MEDIUM
             rows.append(
                 [
-                    FAMILY[kind].cls.__name__,
-                    _rule_text(kind, args),
+                    FAMILY[family].cls.__name__,
+                    _rule_text(family, args),
                     f"{ours.by_medium.get(m, 0):,}",
                     f"{theirs.by_medium.get(m, 0):,}",
                 ]
@@ -385,10 +385,10 @@ class _Demo:
             self.compare_failed = True
 
 
-def _rule_text(kind: str, args: argparse.Namespace) -> str:
+def _rule_text(family: str, args: argparse.Namespace) -> str:
     from kvmerge.sim.children import FAMILY, mooncake_factors
 
-    rule = FAMILY[kind].rule
+    rule = FAMILY[family].rule
     if rule == "quorum":
         return f"{rule} {list(mooncake_factors(args.workers))}"
     return rule
