@@ -46,7 +46,7 @@ def edges(mods: dict[tuple[str, ...], str]) -> dict[tuple[str, ...], set]:
         if m:
             out[m[:-1]].add(m)  # owns
     for m, text in mods.items():
-        refs = [(a, b) for a, b in PATH.findall(text)]
+        refs: list[tuple[str, str]] = PATH.findall(text)
         for base, group in GROUP.findall(text):
             refs += [(base, "::" + g.strip().split(" ")[0]) for g in group.split(",")]
         for base, rest in refs:
