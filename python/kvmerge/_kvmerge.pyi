@@ -87,7 +87,9 @@ class EventBatch:
         """The events, equal to the encoded ones, in order."""
 
     def raw(self) -> list[msgspec.Raw]:
-        """Each event's msgpack encoding, ready for a msgspec encoder."""
+        """Each event's msgpack encoding, ready for a msgspec encoder: a
+        read-only view of this batch's bytes (nothing copied), which keeps
+        them alive."""
 
     def filled(self, sources: Sequence[EventBatch]) -> EventBatch:
         """This batch with the bytes it does not carry taken from `sources` (other
@@ -170,7 +172,10 @@ class Merger:
         """Add several ranks' batches at once: all of them, or none on error."""
 
     def finish_step(self) -> list[_Event]: ...
-    def finish_step_raw(self) -> list[msgspec.Raw]: ...
+    def finish_step_raw(self) -> list[msgspec.Raw]:
+        """`finish_step`, each event's msgpack encoding a read-only view of
+        it in the batch it came in (nothing copied; it keeps that batch's
+        buffer alive)."""
     def finish_step_batch(self) -> EventBatch: ...
     def stats(self) -> MergerStats: ...
     def reset(self) -> None:

@@ -35,8 +35,10 @@ from kvmerge import EventBatch
 from .config import ENCODED_FAMILIES, FAMILY_NATIVE, FAMILY_REFUSED, Family
 from .settings import WorkerSettings
 
-#: ``EventBatch``'s pickle reconstructor (never raises; not in the stubs).
-_batch_from_pickle = EventBatch._from_pickle  # type: ignore[attr-defined]
+#: The entries of an output as pickled, their batches rebuilt
+#: (``EventBatch._from_pickle`` for each, in one call; never raises; not in
+#: the stubs).
+_entries_from_pickle = EventBatch._from_pickle_entries  # type: ignore[attr-defined]
 
 #: What a worker sends for one child: its encoded batch, its own container
 #: (a native child), why the worker could not encode its events (family
@@ -209,11 +211,11 @@ def _from_wire(*fields: Any) -> WorkerOutput:
     checks it where one worker's output can be dropped.
 
     A seventh field names the children whose entries are a batch's bytes
-    (``WorkerOutput._wire``): rebuilt with ``EventBatch._from_pickle``, which
-    never raises either (bad bytes give a batch whose ``error`` says why)."""
+    (``WorkerOutput._wire``): rebuilt by ``EventBatch._from_pickle_entries``,
+    which never raises either (bad bytes give a batch whose ``error`` says
+    why)."""
     output = object.__new__(WorkerOutput)
-    n = len(fields)
-    if n == 7:
+    if len(fields) == 7:
         (
             output.rank,
             output.families,
@@ -223,9 +225,8 @@ def _from_wire(*fields: Any) -> WorkerOutput:
             output.settings,
             batches,
         ) = fields
-        output.entries = _rebuild(entries, batches)
+        output.entries = _entries_from_pickle(entries, batches) if batches else entries
         return output
-    values = (*fields, *((None,) * 6))[:6]
     (
         output.rank,
         output.families,
@@ -233,30 +234,8 @@ def _from_wire(*fields: Any) -> WorkerOutput:
         output.factors,
         output.seq,
         output.settings,
-    ) = values
+    ) = (*fields, *((None,) * 6))[:6]
     return output
-
-
-def _rebuild(entries: Any, batches: Any) -> Any:
-    """The entries with each named child's buffer made a batch again, and
-    each child that names an earlier one given that child's batch; as they
-    came if ``batches`` is not a tuple of in-range ints (the output's checks
-    then refuse them)."""
-    if not batches or type(entries) is not tuple or type(batches) is not tuple:
-        return entries
-    out = list(entries)
-    n = len(out)
-    for i in batches:
-        if type(i) is not int or not 0 <= i < n:
-            return entries
-        buffer = out[i]
-        if type(buffer) is int:
-            # The batch of an earlier child (left as it is if that is none).
-            if 0 <= buffer < i and type(out[buffer]) is EventBatch:
-                out[i] = out[buffer]
-        else:
-            out[i] = _batch_from_pickle(buffer)
-    return tuple(out)
 
 
 class WorkerOutputs(Sequence[KVCacheEvent]):
@@ -360,11 +339,10 @@ class KVMergeKVEvents(KVConnectorKVEvents):
         self._num_workers = 1
 
     # --- Python protocol -----------------------------------------------------
-    def __bool__(self) -> bool:
-        # Always true, also when empty: vLLM drops falsy containers
-        # (``KVConnectorOutput.is_empty``, ``KVOutputAggregator``), and an empty
-        # container must still reach the scheduler so that the worker counts.
-        return True
+    # No ``__bool__`` nor ``__len__``: always true, also when empty, without a
+    # Python call. vLLM drops falsy containers (``KVConnectorOutput.is_empty``,
+    # ``KVOutputAggregator``), and an empty container must still reach the
+    # scheduler so that the worker counts.
 
     def __reduce__(self) -> tuple[Any, ...]:
         outputs = self._outputs
@@ -391,7 +369,13 @@ def _events_from_wire(num_workers: Any = 1, outputs: Any = (), *_: Any) -> Any:
         num_workers if type(num_workers) is int and num_workers > 0 else 1
     )
     if type(outputs) is tuple:
-        events._outputs = [_from_wire(*o) if type(o) is tuple else o for o in outputs]
+        if len(outputs) == 1 and type(outputs[0]) is tuple:
+            # One worker's output: every message a worker sends.
+            events._outputs = [_from_wire(*outputs[0])]
+        else:
+            events._outputs = [
+                _from_wire(*o) if type(o) is tuple else o for o in outputs
+            ]
     else:
         events._outputs = [outputs]
     return events

@@ -9,11 +9,12 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyMemoryView, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyInt, PyList, PyMemoryView, PyTuple, PyType};
 
-use crate::convert::{decode_events, indices_arg, payload_slice, raw_list, type_name};
+use crate::convert::{decode_events, indices_arg, payload_slice, type_name};
 use crate::errors::{corrupt_batch, incomplete_batch};
 use crate::gil::{is_small, without_gil_unless};
+use crate::raw::raw_list;
 
 /// A received Python buffer whose memory cannot change (see
 /// `immutable_exporter`), borrowed for as long as the batch lives.
@@ -229,6 +230,52 @@ impl PyEventBatch {
         })
     }
 
+    // `_from_pickle` for the entries of one message, in one call: each
+    // position in `batches` holds a batch's buffer, or the index of an
+    // earlier position whose batch it shares. A Python loop over the
+    // children, one call per batch, was most of what a message cost to
+    // unpickle at decode-size steps. Never raises for what it is given: the
+    // entries come back as they came if `batches` does not name positions in
+    // order (the output's checks then refuse them).
+    #[staticmethod]
+    fn _from_pickle_entries<'py>(
+        py: Python<'py>,
+        entries: &Bound<'py, PyAny>,
+        batches: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (Ok(entries_t), Ok(batches_t)) = (
+            entries.cast_exact::<PyTuple>(),
+            batches.cast_exact::<PyTuple>(),
+        ) else {
+            return Ok(entries.clone());
+        };
+        let n = entries_t.len();
+        let mut out: Vec<Bound<'py, PyAny>> = entries_t.iter().collect();
+        for at in batches_t.iter() {
+            let i = match at
+                .cast_exact::<PyInt>()
+                .ok()
+                .and_then(|i| i.extract::<usize>().ok())
+            {
+                Some(i) if i < n => i,
+                _ => return Ok(entries.clone()),
+            };
+            let item = &out[i];
+            if let Ok(earlier) = item.cast_exact::<PyInt>() {
+                // The batch of an earlier child (left as it is if that is none).
+                if let Ok(j) = earlier.extract::<usize>() {
+                    if j < i && out[j].is_exact_instance_of::<PyEventBatch>() {
+                        out[i] = out[j].clone();
+                    }
+                }
+                continue;
+            }
+            let batch = Self::_from_pickle(py, item);
+            out[i] = Bound::new(py, batch)?.into_any();
+        }
+        Ok(PyTuple::new(py, out)?.into_any())
+    }
+
     #[getter]
     fn error(&self) -> Option<&str> {
         self.error.as_deref()
@@ -252,10 +299,7 @@ impl PyEventBatch {
         let py = slf.py();
         let batch = slf.get().batch(py)?;
         require_bytes(py, batch)?;
-        raw_list(
-            py,
-            (0..batch.len()).map(|i| batch.event_bytes(i).expect("require_bytes checked")),
-        )
+        raw_list(py, (0..batch.len()).map(|i| (batch, i)))
     }
 
     fn filled(slf: &Bound<'_, Self>, sources: Vec<Bound<'_, PyEventBatch>>) -> PyResult<Self> {

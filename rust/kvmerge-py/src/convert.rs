@@ -10,7 +10,6 @@ use kvmerge_core::{Carriers, MergerConfig, Rule, DEFAULT_MAX_PENDING_STEPS, MAX_
 use pyo3::exceptions::{PyIndexError, PyOverflowError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
 
 use crate::errors::{config, corrupt_batch, rank_out_of_range, PyKvError};
 use crate::schema::schema;
@@ -178,21 +177,6 @@ pub fn decode_events<'py>(
             e
         }
     })
-}
-
-/// `msgspec.Raw` objects of these encodings, each over its own `bytes`: as
-/// fast as a memoryview slice of a shared buffer (building the `Raw` is most
-/// of the ~250 ns an event either way), and whoever holds the output does not
-/// keep the received buffers alive.
-pub fn raw_list<'py, 'a>(
-    py: Python<'py>,
-    events: impl ExactSizeIterator<Item = &'a [u8]>,
-) -> PyResult<Bound<'py, PyList>> {
-    let raw = schema(py)?.raw.bind(py);
-    let items = events
-        .map(|bytes| raw.call1((PyBytes::new(py, bytes),)))
-        .collect::<PyResult<Vec<_>>>()?;
-    PyList::new(py, items)
 }
 
 /// `slice(start, None)`. Not `PySlice::new`: under pyo3 0.30 it never

@@ -9,6 +9,7 @@ mod encode;
 mod errors;
 mod gil;
 mod merger;
+mod raw;
 mod schema;
 
 use pyo3::prelude::*;

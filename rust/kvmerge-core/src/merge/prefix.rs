@@ -24,6 +24,7 @@
 
 use super::pending::Queue;
 use super::report::{Position, Publication};
+use super::slots::Released;
 use super::state::Merger;
 use crate::rule::Rule;
 
@@ -57,7 +58,7 @@ pub(super) fn compatible(queues: &[Queue], old: &[usize], rule: Rule) -> bool {
 /// order, each clear after its segment) and removes it from every queue.
 /// Under "quorum", declines (false, nothing changed) when an identity of
 /// the prefix's last segment recurs past the prefix in that segment.
-pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<u32>) -> bool {
+pub(super) fn finish(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Released) -> bool {
     let w = m.cfg.carriers.world_size;
     let quorum = m.cfg.carriers.rule == Rule::Quorum;
     let start = pubs.len();

@@ -12,13 +12,14 @@ use super::pending::{Index, Queue};
 use super::prefix;
 use super::published::Published;
 use super::report::{Position, Publication};
+use super::slots::Released;
 use super::state::Merger;
 use crate::rule::Rule;
 
 pub(super) fn finish(m: &mut Merger) -> Published {
     let mut pubs = Vec::new();
     // Slots are released only after the output is gathered from them.
-    let mut released = Vec::new();
+    let mut released = Released::default();
     let before: Vec<u64> = m.queues.iter().map(Queue::end).collect();
     m.enqueue_incoming();
     if !m.indexed {
@@ -44,7 +45,7 @@ pub(super) fn finish(m: &mut Merger) -> Published {
     m.output(&pubs, released)
 }
 
-fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<u32>) {
+fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Released) {
     let w = m.cfg.carriers.world_size;
     loop {
         let mut done = complete(m, released);
@@ -104,7 +105,7 @@ fn run_segments(m: &mut Merger, pubs: &mut Vec<Publication>, released: &mut Vec<
 
 /// Checks the touched identities, publishes those complete (with their
 /// positions) and removes the reports they use.
-fn complete(m: &mut Merger, released: &mut Vec<u32>) -> Vec<(Position, Publication)> {
+fn complete(m: &mut Merger, released: &mut Released) -> Vec<(Position, Publication)> {
     let w = m.cfg.carriers.world_size;
     let rule = m.cfg.carriers.rule;
     let Merger {

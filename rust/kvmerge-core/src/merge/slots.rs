@@ -43,9 +43,14 @@ impl Slots {
 
     /// One fewer report points into `slot`.
     pub fn release(&mut self, slot: u32) {
+        self.release_n(slot, 1);
+    }
+
+    /// `n` fewer reports point into `slot`.
+    pub fn release_n(&mut self, slot: u32, n: u32) {
         let entry = self.entries[slot as usize].as_mut().expect("live slot");
-        entry.1 -= 1;
-        self.reports -= 1;
+        entry.1 -= n;
+        self.reports -= n as u64;
         if entry.1 == 0 {
             self.carried -= entry.0.carried_len() as u64;
             self.entries[slot as usize] = None;
@@ -62,5 +67,27 @@ impl Slots {
     #[cfg(test)]
     pub fn live(&self) -> usize {
         self.entries.iter().flatten().count()
+    }
+}
+
+/// The slots of the reports a step used, released once its output is
+/// gathered from them: as runs of one slot. A step uses reports in queue
+/// order, so they come a batch at a time, and releasing a run is one update
+/// where one per report was a tenth of a straggler's step.
+#[derive(Default)]
+pub(super) struct Released(Vec<(u32, u32)>);
+
+impl Released {
+    pub fn push(&mut self, slot: u32) {
+        match self.0.last_mut() {
+            Some((last, n)) if *last == slot => *n += 1,
+            _ => self.0.push((slot, 1)),
+        }
+    }
+
+    pub fn release(self, slots: &mut Slots) {
+        for (slot, n) in self.0 {
+            slots.release_n(slot, n);
+        }
     }
 }

@@ -9,7 +9,7 @@ use super::config::MergerConfig;
 use super::pending::{Index, Queue};
 use super::published::Published;
 use super::report::{Publication, Report};
-use super::slots::Slots;
+use super::slots::{Released, Slots};
 use super::stats::Stats;
 use crate::batch::Batch;
 use crate::error::Result;
@@ -131,11 +131,9 @@ impl Merger {
     }
 
     /// The step's output, then the slots of the reports it used released.
-    pub(super) fn output(&mut self, pubs: &[Publication], released: Vec<u32>) -> Published {
+    pub(super) fn output(&mut self, pubs: &[Publication], released: Released) -> Published {
         let out = self.published(pubs);
-        for slot in released {
-            self.slots.release(slot);
-        }
+        released.release(&mut self.slots);
         out
     }
 
