@@ -176,6 +176,14 @@ class Merger:
         """`finish_step`, each event's msgpack encoding a read-only view of
         it in the batch it came in (nothing copied; it keeps that batch's
         buffer alive)."""
+    def finish_step_raw_and_decode(
+        self, kind: _EventClass
+    ) -> tuple[list[msgspec.Raw], list[_Event]]:
+        """`finish_step_raw`, and the published events of class `kind`
+        decoded, in order: for a hook that reads one kind, without a copy of
+        the step's events (`ValueError` for another name, before the step is
+        finished)."""
+
     def finish_step_batch(self) -> EventBatch: ...
     def stats(self) -> MergerStats: ...
     def reset(self) -> None:

@@ -303,3 +303,15 @@ def test_add_all_is_all_or_nothing():
         assert m.stats().as_dict() == before
     m.add_all([(r, kvmerge.encode(GOOD)) for r in (2, 0, 1)])
     assert m.finish_step() == GOOD
+
+
+def test_a_bad_kind_leaves_the_step_unfinished():
+    m = Merger(1)
+    m.add(0, kvmerge.encode(GOOD))
+    before = (m.step, m.stats().as_dict())
+    with pytest.raises(ValueError, match="finish_step_raw_and_decode"):
+        m.finish_step_raw_and_decode("KVCacheEvent")  # type: ignore[arg-type]
+    assert (m.step, m.stats().as_dict()) == before
+    raws, removed = m.finish_step_raw_and_decode("BlockStored")
+    assert [bytes(r) for r in raws] == [bytes(r) for r in kvmerge.encode(GOOD).raw()]
+    assert removed == [e for e in GOOD if type(e).__name__ == "BlockStored"]

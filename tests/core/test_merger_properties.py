@@ -33,9 +33,20 @@ from kvmerge.testing.reference import (
     assert_same_stats,
 )
 
+
+def raw_and_decode(m):
+    """``finish_step_raw_and_decode``: the raw events (compared with the model
+    by the caller), and the removals among them decoded, in order."""
+    raws, removed = m.finish_step_raw_and_decode("BlockRemoved")
+    events = [DECODER.decode(r) for r in raws]
+    assert removed == [e for e in events if type(e) is BlockRemoved]
+    return events
+
+
 FINISH = {
     "finish_step": lambda m: m.finish_step(),
     "finish_step_raw": lambda m: [DECODER.decode(r) for r in m.finish_step_raw()],
+    "finish_step_raw_and_decode": raw_and_decode,
     "finish_step_batch": lambda m: m.finish_step_batch().decode(),
 }
 

@@ -268,8 +268,9 @@ def test_configured_factors_override_the_containers(bus):
 
 
 # --- rule "any" (UMBPStoreKVEvents) ---------------------------------------------
-def test_any_rule_and_the_childs_own_scheduler_events(bus):
-    c = Cluster([child("UMBPChild")], bus, tp=4)
+@pytest.mark.parametrize("output", ["raw", "objects"])
+def test_any_rule_and_the_childs_own_scheduler_events(bus, output):
+    c = Cluster([child("UMBPChild")], bus, tp=4, kv_events_output=output)
     s1, s5, s77, r9 = stored(1), stored(5), stored(77), removed(9)
     for r in range(4):
         c.emit(r, 0, [s1, s5, r9] if r == 2 else [s1, r9])

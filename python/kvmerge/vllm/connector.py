@@ -32,7 +32,7 @@ import copy
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import KVConnectorKVEvents
+from vllm.distributed.kv_events import BlockRemoved, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
@@ -351,13 +351,18 @@ class _Child:
                 except KVMergeError as e:
                     refusals.refuse(self, rank, self._explain(e))
         try:
-            if self.invalidate is not None:
-                batch = merger.finish_step_batch()
+            if self.invalidate is not None and not self.objects:
                 # The hook only reads removals: decode those alone.
-                removed = batch.indices("BlockRemoved")
+                raw, removed = merger.finish_step_raw_and_decode("BlockRemoved")
                 if removed:
-                    self.invalidate(batch.take(removed).decode())
-                self.out.extend(batch.decode() if self.objects else batch.raw())
+                    self.invalidate(removed)
+                self.out.extend(raw)
+            elif self.invalidate is not None:
+                events = merger.finish_step()
+                removed = [e for e in events if isinstance(e, BlockRemoved)]
+                if removed:
+                    self.invalidate(removed)
+                self.out.extend(events)
             elif self.objects:
                 self.out.extend(merger.finish_step())
             else:

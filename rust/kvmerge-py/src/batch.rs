@@ -4,14 +4,14 @@
 use std::ffi::c_int;
 use std::sync::Arc;
 
-use kvmerge_core::{Backing, Batch, EventKind, FillError};
+use kvmerge_core::{Backing, Batch, FillError};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyMemoryView, PyTuple, PyType};
 
-use crate::convert::{decode_events, indices_arg, payload_slice, type_name};
+use crate::convert::{decode_events, indices_arg, kind_arg, payload_slice, type_name};
 use crate::errors::{corrupt_batch, incomplete_batch};
 use crate::gil::{is_small, without_gil_unless};
 use crate::raw::raw_list;
@@ -338,12 +338,7 @@ impl PyEventBatch {
     // indices out of hundreds of events, not a string per event.
     fn indices(&self, py: Python<'_>, kind: &str) -> PyResult<Vec<usize>> {
         let batch = self.batch(py)?;
-        let kind = EventKind::from_name(kind).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "indices: {kind:?} is not an event class name (\"BlockStored\", \
-                 \"BlockRemoved\" or \"AllBlocksCleared\")"
-            ))
-        })?;
+        let kind = kind_arg(kind, "indices")?;
         Ok((0..batch.len())
             .filter(|&i| batch.kind(i) == kind)
             .collect())

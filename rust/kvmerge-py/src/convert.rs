@@ -6,8 +6,10 @@
 //! `ConfigError`, `RankError` or `IndexError`, as an in-range bad value
 //! would get), not `OverflowError`; non-integers stay `TypeError`.
 
-use kvmerge_core::{Carriers, MergerConfig, Rule, DEFAULT_MAX_PENDING_STEPS, MAX_WORLD_SIZE};
-use pyo3::exceptions::{PyIndexError, PyOverflowError};
+use kvmerge_core::{
+    Carriers, EventKind, MergerConfig, Rule, DEFAULT_MAX_PENDING_STEPS, MAX_WORLD_SIZE,
+};
+use pyo3::exceptions::{PyIndexError, PyOverflowError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
@@ -162,6 +164,17 @@ pub fn indices_arg(indices: &[Bound<'_, PyAny>], n: usize) -> PyResult<Vec<usize
                 .ok_or_else(|| out_of_range(&i))
         })
         .collect()
+}
+
+/// An event class name as the kind it names; `ValueError` (saying which
+/// call refused it) for anything else.
+pub fn kind_arg(kind: &str, call: &str) -> PyResult<EventKind> {
+    EventKind::from_name(kind).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "{call}: {kind:?} is not an event class name (\"BlockStored\", \
+             \"BlockRemoved\" or \"AllBlocksCleared\")"
+        ))
+    })
 }
 
 /// Decodes a msgpack array of events into vLLM objects with msgspec.

@@ -8,7 +8,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::batch::PyEventBatch;
-use crate::convert::{config_arg, rank_arg};
+use crate::convert::{config_arg, kind_arg, rank_arg};
+use crate::errors::PyKvError;
 use crate::gil::{self, is_small};
 use crate::raw::raw_list;
 
@@ -161,6 +162,30 @@ impl PyMerger {
     fn finish_step_raw<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         // Views of the events where they came in: nothing copied.
         raw_list(py, self.finish_published(py)?.iter())
+    }
+
+    // For a hook that reads one kind (the removals Mooncake's and UMBP's
+    // schedulers drop their pending events by): the step's events as views,
+    // as `finish_step_raw`, and only those of `kind` decoded, where
+    // `finish_step_batch` copied every event into one batch first. The kind
+    // is checked before the step is finished.
+    fn finish_step_raw_and_decode<'py>(
+        &self,
+        py: Python<'py>,
+        kind: &str,
+    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>)> {
+        let kind = kind_arg(kind, "finish_step_raw_and_decode")?;
+        let published = self.finish_published(py)?;
+        let raws = raw_list(py, published.iter())?;
+        let picks: Vec<(&Batch, usize)> = published
+            .iter()
+            .filter(|(b, i)| b.kind(*i) == kind)
+            .map(|(b, i)| (&**b, i))
+            .collect();
+        // A part of the step's output, which fits one batch: never refused.
+        let picked = Batch::try_gather(picks.iter().copied()).map_err(PyKvError::from)?;
+        let picked = Bound::new(py, PyEventBatch::new(Arc::new(picked)))?;
+        Ok((raws, PyEventBatch::decode(&picked)?))
     }
 
     fn finish_step_batch(&self, py: Python<'_>) -> PyResult<PyEventBatch> {
