@@ -182,6 +182,10 @@ impl PyMerger {
             .filter(|(b, i)| b.kind(*i) == kind)
             .map(|(b, i)| (&**b, i))
             .collect();
+        if picks.is_empty() {
+            // The usual step: no decoder call for nothing.
+            return Ok((raws, PyList::empty(py).into_any()));
+        }
         // A part of the step's output, which fits one batch: never refused.
         let picked = Batch::try_gather(picks.iter().copied()).map_err(PyKvError::from)?;
         let picked = Bound::new(py, PyEventBatch::new(Arc::new(picked)))?;
