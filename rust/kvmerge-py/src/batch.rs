@@ -11,7 +11,9 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyMemoryView, PyTuple, PyType};
 
-use crate::convert::{decode_events, indices_arg, kind_arg, payload_slice, type_name};
+use crate::convert::{
+    decode_events, export_read_only, indices_arg, kind_arg, payload_slice, type_name,
+};
 use crate::errors::{corrupt_batch, incomplete_batch};
 use crate::gil::{is_small, without_gil_unless};
 use crate::raw::raw_list;
@@ -230,13 +232,12 @@ impl PyEventBatch {
         })
     }
 
-    // `_from_pickle` for the entries of one message, in one call: each
+    // `_from_pickle` for the entries of one message, in one call where the
+    // container's reconstructor looped in Python, one call per batch: each
     // position in `batches` holds a batch's buffer, or the index of an
-    // earlier position whose batch it shares. A Python loop over the
-    // children, one call per batch, was most of what a message cost to
-    // unpickle at decode-size steps. Never raises for what it is given: the
-    // entries come back as they came if `batches` does not name positions in
-    // order (the output's checks then refuse them).
+    // earlier position whose batch it shares. Never raises for what it is
+    // given: the entries come back as they came if `batches` does not name
+    // positions in range (the output's checks then refuse them).
     #[staticmethod]
     fn _from_pickle_entries<'py>(
         py: Python<'py>,
@@ -334,8 +335,7 @@ impl PyEventBatch {
         Ok((0..batch.len()).map(|i| batch.kind(i).name()).collect())
     }
 
-    // One pass over the records: the connector's removal hook needs a few
-    // indices out of hundreds of events, not a string per event.
+    // One pass over the records, not a class name per event.
     fn indices(&self, py: Python<'_>, kind: &str) -> PyResult<Vec<usize>> {
         let batch = self.batch(py)?;
         let kind = kind_arg(kind, "indices")?;
@@ -452,32 +452,13 @@ impl PyEventBatch {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        if view.is_null() {
-            return Err(PyBufferError::new_err("View is null"));
-        }
-        if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
-            return Err(PyBufferError::new_err("EventBatch is read-only"));
-        }
         if let Some(message) = &slf.get().error {
             return Err(PyBufferError::new_err(format!(
                 "this EventBatch is invalid: {message}"
             )));
         }
         let bytes = slf.get().inner.bytes();
-        // SAFETY: `bytes` lives as long as `slf`, which the view references.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                bytes.as_ptr() as *mut std::ffi::c_void,
-                bytes.len() as ffi::Py_ssize_t,
-                1,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        // SAFETY: `bytes` is the batch `slf` holds, which never changes.
+        unsafe { export_read_only(slf.as_any(), bytes, view, flags, "EventBatch") }
     }
 }

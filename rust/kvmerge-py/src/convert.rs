@@ -6,10 +6,12 @@
 //! `ConfigError`, `RankError` or `IndexError`, as an in-range bad value
 //! would get), not `OverflowError`; non-integers stay `TypeError`.
 
+use std::ffi::c_int;
+
 use kvmerge_core::{
     Carriers, EventKind, MergerConfig, Rule, DEFAULT_MAX_PENDING_STEPS, MAX_WORLD_SIZE,
 };
-use pyo3::exceptions::{PyIndexError, PyOverflowError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyIndexError, PyOverflowError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
@@ -205,4 +207,42 @@ pub fn payload_slice(py: Python<'_>, start: usize) -> PyResult<Bound<'_, PyAny>>
             ffi::PySlice_New(start.as_ptr(), std::ptr::null_mut(), std::ptr::null_mut()),
         )
     }
+}
+
+/// Fills `view` with a read-only export of `bytes` held by `owner` (the
+/// view references `owner`); `what` names the exporter in the refusal of a
+/// writable export.
+///
+/// # Safety
+/// `view` must be a `Py_buffer` from the buffer protocol, and `bytes` must
+/// stay where they are, unchanged, for as long as `owner` lives.
+pub unsafe fn export_read_only(
+    owner: &Bound<'_, PyAny>,
+    bytes: &[u8],
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    what: &str,
+) -> PyResult<()> {
+    if view.is_null() {
+        return Err(PyBufferError::new_err("View is null"));
+    }
+    if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+        return Err(PyBufferError::new_err(format!("{what} is read-only")));
+    }
+    // SAFETY: the caller's contract; PyBuffer_FillInfo takes a reference to
+    // `owner` for the view.
+    let rc = unsafe {
+        ffi::PyBuffer_FillInfo(
+            view,
+            owner.as_ptr(),
+            bytes.as_ptr() as *mut std::ffi::c_void,
+            bytes.len() as ffi::Py_ssize_t,
+            1,
+            flags,
+        )
+    };
+    if rc != 0 {
+        return Err(PyErr::fetch(owner.py()));
+    }
+    Ok(())
 }

@@ -13,11 +13,11 @@ use std::ffi::c_int;
 use std::sync::Arc;
 
 use kvmerge_core::Batch;
-use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use crate::convert::export_read_only;
 use crate::schema::schema;
 
 /// One event's msgpack bytes in `batch`: exported through the buffer
@@ -42,29 +42,10 @@ impl EventBytes {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        if view.is_null() {
-            return Err(PyBufferError::new_err("View is null"));
-        }
-        if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
-            return Err(PyBufferError::new_err("an event's bytes are read-only"));
-        }
         let me = slf.get();
         let bytes = &me.batch.bytes()[me.start..me.start + me.len];
-        // SAFETY: `bytes` lives as long as `slf`, which the view references.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                bytes.as_ptr() as *mut std::ffi::c_void,
-                bytes.len() as ffi::Py_ssize_t,
-                1,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        // SAFETY: `bytes` is in the batch `slf` holds, which never changes.
+        unsafe { export_read_only(slf.as_any(), bytes, view, flags, "an event's bytes") }
     }
 }
 
