@@ -698,6 +698,7 @@ def _merger_calls(m):
         "add_all": lambda *a: m.add_all(*a),
         "finish_step": lambda *a: m.finish_step(*a),
         "finish_step_raw": lambda *a: m.finish_step_raw(*a),
+        "finish_step_raw_and_decode": lambda *a: m.finish_step_raw_and_decode(*a),
         "finish_step_batch": lambda *a: m.finish_step_batch(*a),
         "stats": lambda *a: m.stats(*a),
         "reset": lambda *a: m.reset(*a),
@@ -718,6 +719,7 @@ def _batch_calls(b):
         "raw": lambda *a: b.raw(*a),
         "filled": lambda *a: b.filled(*a),
         "kinds": lambda *a: b.kinds(*a),
+        "indices": lambda *a: b.indices(*a),
         "take": lambda *a: b.take(*a),
         "identities": lambda *a: b.identities(*a),
         "len": lambda *a: len(b),
@@ -729,6 +731,7 @@ def _batch_calls(b):
         "memoryview": lambda *a: memoryview(b),
         "from_buffer": lambda *a: EventBatch.from_buffer(*a),
         "_from_pickle": lambda *a: EventBatch._from_pickle(*a),
+        "_from_pickle_entries": lambda *a: EventBatch._from_pickle_entries(*a),
         "concat": lambda *a: EventBatch.concat(*a),
         "empty": lambda *a: EventBatch.empty(*a),
     }
