@@ -133,43 +133,22 @@ impl Batch {
     /// carries only the bytes of the events this rank must carry
     /// (`Carriers::carries`), and keeps every event's record.
     pub fn encode_for(payload: &[u8], carrier: Option<(&Carriers, usize)>) -> Result<Batch> {
-        if let Some((carriers, rank)) = carrier {
-            carriers.validate()?;
-            if rank >= carriers.world_size {
-                return Err(Error::RankOutOfRange {
-                    rank: rank as i64,
-                    world_size: carriers.world_size,
-                });
-            }
-        }
+        check_carrier(carrier)?;
         let mut r = Reader::new(payload);
         let n = r
             .read_array_len()
             .map_err(|e| Error::InvalidPayload(e.to_string()))?;
-        let old_header = r.pos();
+        let start = r.pos();
         // The announced count is untrusted until the events are read: every
         // event takes bytes of the payload, so its length bounds the count.
-        let records = n.min(payload.len()) * RECORD_LEN;
-        let mut out = Vec::with_capacity(HEADER_LEN + records + payload.len());
-        out.resize(HEADER_LEN, 0);
-        // Spans of the events not carried, to cut from the payload afterwards.
-        let mut uncarried: Vec<std::ops::Range<usize>> = Vec::new();
-        let mut shift = 0;
+        let mut written = Vec::with_capacity(n.min(payload.len()));
         for index in 0..n {
-            let start = r.pos();
             let info = schema::read_event(&mut r)
                 .map_err(|reason| Error::InvalidEvent { index, reason })?;
-            let span = &payload[start..r.pos()];
-            let identity = Identity::of(span);
-            let carried = carrier.is_none_or(|(carriers, rank)| {
-                carriers.carries(rank, &identity, info.kind, info.group_idx)
+            written.push(Written {
+                end: r.pos() - start,
+                info,
             });
-            let len = if carried { span.len() } else { 0 };
-            push_record(&mut out, identity, info, carried, start - shift, len);
-            if !carried {
-                uncarried.push(start..r.pos());
-                shift += span.len();
-            }
         }
         if !r.is_empty() {
             return Err(Error::InvalidPayload(format!(
@@ -177,32 +156,32 @@ impl Batch {
                 payload.len() - r.pos()
             )));
         }
-        if uncarried.is_empty() {
-            out.extend_from_slice(payload);
-            finish_header(&mut out, n, payload.len())?;
-            return Ok(Batch::from_own_vec(out, n, 0));
-        }
-        // A shorter array header may shift every offset: rewrite them.
-        let kept = n - uncarried.len();
-        let new_header = array_header_len(kept);
-        let base = out.len();
-        msgpack::write_array_header(&mut out, kept);
-        let mut at = old_header;
-        for cut in &uncarried {
-            out.extend_from_slice(&payload[at..cut.start]);
-            at = cut.end;
-        }
-        out.extend_from_slice(&payload[at..]);
-        if new_header != old_header {
-            for i in 0..n {
-                let field = HEADER_LEN + i * RECORD_LEN + 16;
-                let off = u32_at(&out, field) as usize + new_header - old_header;
-                out[field..field + 4].copy_from_slice(&(off as u32).to_le_bytes());
+        build(&payload[start..], &written, carrier)
+    }
+
+    /// `encode_for` of events a caller wrote itself, exactly as msgspec
+    /// writes them, back to back in `events` (no array header); event `i`
+    /// ends at `written[i].end`. For a writer that produces each event's
+    /// bytes and knows its kind and group as it does (the binding's, from
+    /// vLLM's objects): nothing is parsed again. Debug builds check every
+    /// event against the schema.
+    pub fn encode_written(
+        events: &[u8],
+        written: &[Written],
+        carrier: Option<(&Carriers, usize)>,
+    ) -> Result<Batch> {
+        check_carrier(carrier)?;
+        if cfg!(debug_assertions) {
+            let mut start = 0;
+            for w in written {
+                let mut r = Reader::new(&events[start..w.end]);
+                assert_eq!(schema::read_event(&mut r), Ok(w.info));
+                assert!(r.is_empty(), "an event ends where the writer says");
+                start = w.end;
             }
+            assert_eq!(start, events.len(), "no bytes after the last event");
         }
-        let payload_len = out.len() - base;
-        finish_header(&mut out, n, payload_len)?;
-        Ok(Batch::from_own_vec(out, n, uncarried.len()))
+        build(events, written, carrier)
     }
 
     /// A new batch holding the given events of other batches, in order
@@ -410,6 +389,81 @@ pub fn check_fits(n: u64, payload_len: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Where one event ends in events written back to back, and what it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Written {
+    pub end: usize,
+    pub info: schema::EventInfo,
+}
+
+fn check_carrier(carrier: Option<(&Carriers, usize)>) -> Result<()> {
+    if let Some((carriers, rank)) = carrier {
+        carriers.validate()?;
+        if rank >= carriers.world_size {
+            return Err(Error::RankOutOfRange {
+                rank: rank as i64,
+                world_size: carriers.world_size,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A batch of checked events: each one's record, then the bytes of those
+/// `carrier`'s rank carries (all of them without a carrier), contiguous runs
+/// copied at once.
+fn build(events: &[u8], written: &[Written], carrier: Option<(&Carriers, usize)>) -> Result<Batch> {
+    let n = written.len();
+    let mut carried = Vec::with_capacity(n);
+    let mut kept_len = 0;
+    let mut start = 0;
+    for w in written {
+        let span = &events[start..w.end];
+        let identity = Identity::of(span);
+        let keep = carrier.is_none_or(|(carriers, rank)| {
+            carriers.carries(rank, &identity, w.info.kind, w.info.group_idx)
+        });
+        if keep {
+            kept_len += span.len();
+        }
+        carried.push((identity, keep));
+        start = w.end;
+    }
+    let kept = carried.iter().filter(|(_, keep)| *keep).count();
+    let header = array_header_len(kept);
+    let mut out = Vec::with_capacity(HEADER_LEN + n * RECORD_LEN + header + kept_len);
+    out.resize(HEADER_LEN, 0);
+    let (mut start, mut offset) = (0, header);
+    for (w, &(identity, keep)) in written.iter().zip(&carried) {
+        let len = if keep { w.end - start } else { 0 };
+        push_record(&mut out, identity, w.info, keep, offset, len);
+        offset += len;
+        start = w.end;
+    }
+    msgpack::write_array_header(&mut out, kept);
+    let mut run: Option<std::ops::Range<usize>> = None;
+    let mut start = 0;
+    for (w, &(_, keep)) in written.iter().zip(&carried) {
+        if keep {
+            run = match run {
+                Some(r) if r.end == start => Some(r.start..w.end),
+                Some(r) => {
+                    out.extend_from_slice(&events[r]);
+                    Some(start..w.end)
+                }
+                None => Some(start..w.end),
+            };
+        }
+        start = w.end;
+    }
+    if let Some(r) = run {
+        out.extend_from_slice(&events[r]);
+    }
+    let payload_len = header + kept_len;
+    finish_header(&mut out, n, payload_len)?;
+    Ok(Batch::from_own_vec(out, n, n - kept))
 }
 
 fn array_header_len(n: usize) -> usize {
@@ -648,6 +702,60 @@ mod tests {
             vec![1; 40],
             "exactly one carrier per event under \"all\""
         );
+    }
+
+    /// The events back to back and where each ends, as a writer gives them.
+    fn written(evs: &[Vec<u8>]) -> (Vec<u8>, Vec<Written>) {
+        let mut events = Vec::new();
+        let mut written = Vec::new();
+        for e in evs {
+            events.extend_from_slice(e);
+            let info = schema::read_event(&mut Reader::new(e)).unwrap();
+            written.push(Written {
+                end: events.len(),
+                info,
+            });
+        }
+        (events, written)
+    }
+
+    #[test]
+    fn written_events_make_the_batch_their_payload_makes() {
+        use crate::carriers::Carriers;
+        use crate::rule::Rule;
+        use crate::testing::{payload, removed, stored};
+        // 40 events: an array16 header, 10 or so carried: a fixarray one.
+        let evs: Vec<_> = (0..40)
+            .map(|i| {
+                if i % 3 == 0 {
+                    stored(i, Some(i % 2))
+                } else {
+                    removed(i)
+                }
+            })
+            .collect();
+        let (events, w) = written(&evs);
+        let carriers = Carriers::new(4, Rule::All);
+        for carrier in [None, Some((&carriers, 0)), Some((&carriers, 3))] {
+            let want = Batch::encode_for(&payload(&evs), carrier).unwrap();
+            let got = Batch::encode_written(&events, &w, carrier).unwrap();
+            assert_eq!(got.bytes(), want.bytes());
+        }
+        let empty = Batch::encode_written(&[], &[], Some((&carriers, 1))).unwrap();
+        assert_eq!(empty.bytes(), Batch::encode(&[0x90]).unwrap().bytes());
+        assert!(matches!(
+            Batch::encode_written(&events, &w, Some((&carriers, 4))),
+            Err(Error::RankOutOfRange { rank: 4, .. })
+        ));
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "an event ends where the writer says")]
+    fn a_writer_that_misplaces_an_end_is_caught_in_debug_builds() {
+        let (events, mut w) = written(&[clear_event(), clear_event()]);
+        w[0].end += 1;
+        let _ = Batch::encode_written(&events, &w, None);
     }
 
     #[test]

@@ -13,7 +13,7 @@ pub mod msgpack;
 pub mod rule;
 pub mod schema;
 
-pub use batch::{Backing, Batch, FillError, Record};
+pub use batch::{Backing, Batch, FillError, Record, Written};
 pub use carriers::{Carriers, MAX_WORLD_SIZE};
 pub use error::{Error, Result};
 pub use identity::Identity;

@@ -350,6 +350,102 @@ const INT_WIDTH: [u8; 256] = {
     t
 };
 
+/// msgpack's nil.
+pub const NIL: u8 = 0xc0;
+
+/// A header for `len` bytes of one family (str, bin): the smallest form that
+/// holds `len`, as msgspec writes them. `fix` is the family's 5-bit form
+/// (str only), `wide` its 8-, 16- and 32-bit length markers.
+fn write_len(out: &mut Vec<u8>, len: usize, fix: Option<u8>, wide: [u8; 3]) {
+    match (fix, len) {
+        (Some(fix), 0..=31) => out.push(fix | len as u8),
+        (_, 0..=0xff) => out.extend_from_slice(&[wide[0], len as u8]),
+        (_, 0x100..=0xffff) => {
+            out.push(wide[1]);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        }
+        _ => {
+            out.push(wide[2]);
+            out.extend_from_slice(&(len as u32).to_be_bytes());
+        }
+    }
+}
+
+/// A msgpack str (UTF-8 `bytes`).
+pub fn write_str(out: &mut Vec<u8>, bytes: &[u8]) {
+    write_len(out, bytes.len(), Some(0xa0), [0xd9, 0xda, 0xdb]);
+    out.extend_from_slice(bytes);
+}
+
+/// A msgpack bin.
+pub fn write_bin(out: &mut Vec<u8>, bytes: &[u8]) {
+    write_len(out, bytes.len(), None, [0xc4, 0xc5, 0xc6]);
+    out.extend_from_slice(bytes);
+}
+
+/// A non-negative int in its smallest encoding (msgspec's for any int >= 0).
+/// Without a branch on the width: token ids mix 2- and 4-byte encodings at
+/// random, which a branch would mispredict half the time (as `skip_ints`).
+#[inline(always)]
+pub fn write_uint(out: &mut Vec<u8>, v: u64) {
+    const MARKER: [u8; 9] = [0, 0xcc, 0xcd, 0, 0xce, 0, 0, 0, 0xcf];
+    // Bytes after the marker: 0 (a fixint, its own marker), 1, 2, 4 or 8.
+    let k = (v >= 0x80) as usize
+        + (v > 0xff) as usize
+        + 2 * (v > 0xffff) as usize
+        + 4 * (v > 0xffff_ffff) as usize;
+    let mut buf = [0u8; 9];
+    buf[0] = if k == 0 { v as u8 } else { MARKER[k] };
+    // The low k bytes of v, big-endian, right after the marker.
+    buf[1..].copy_from_slice(&v.wrapping_shl(8 * (8 - k as u32)).to_be_bytes());
+    out.reserve(buf.len());
+    // SAFETY: `reserve` made room for all 9 bytes; only the first 1 + k are
+    // kept, and they are initialised.
+    unsafe {
+        let len = out.len();
+        std::ptr::copy_nonoverlapping(buf.as_ptr(), out.as_mut_ptr().add(len), buf.len());
+        out.set_len(len + 1 + k);
+    }
+}
+
+/// An int in its smallest encoding: the unsigned forms for `v >= 0`, as
+/// msgspec writes them.
+#[inline(always)]
+pub fn write_int(out: &mut Vec<u8>, v: i64) {
+    if v >= 0 {
+        write_uint(out, v as u64);
+    } else if v >= -32 {
+        out.push(v as u8);
+    } else if v >= i8::MIN as i64 {
+        out.extend_from_slice(&[0xd0, v as u8]);
+    } else if v >= i16::MIN as i64 {
+        out.push(0xd1);
+        out.extend_from_slice(&(v as i16).to_be_bytes());
+    } else if v >= i32::MIN as i64 {
+        out.push(0xd2);
+        out.extend_from_slice(&(v as i32).to_be_bytes());
+    } else {
+        out.push(0xd3);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
+/// A map header for `n` entries of a msgspec struct of at most `max`
+/// entries (its fields and tag). With `omit_defaults` msgspec sizes the
+/// header for `max` before it knows how many entries follow: vLLM's
+/// `BlockStored` (15 fields and the tag) gets a map16 header even with 8.
+pub fn write_struct_header(out: &mut Vec<u8>, n: usize, max: usize) {
+    if max < 16 {
+        out.push(0x80 | n as u8);
+    } else if max <= u16::MAX as usize {
+        out.push(0xde);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        out.push(0xdf);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
+}
+
 /// Writes a msgpack array header for `n` elements.
 pub fn write_array_header(out: &mut Vec<u8>, n: usize) {
     if n < 16 {
@@ -401,6 +497,65 @@ mod tests {
         let mut r = Reader::new(&nested);
         r.skip_value().unwrap();
         assert!(r.is_empty());
+    }
+
+    #[test]
+    fn ints_round_trip_in_their_smallest_form() {
+        let cases: &[(i64, usize)] = &[
+            (0, 1),
+            (127, 1),
+            (128, 2),
+            (255, 2),
+            (256, 3),
+            (65_535, 3),
+            (65_536, 5),
+            (u32::MAX as i64, 5),
+            (u32::MAX as i64 + 1, 9),
+            (i64::MAX, 9),
+            (-1, 1),
+            (-32, 1),
+            (-33, 2),
+            (-128, 2),
+            (-129, 3),
+            (-32_768, 3),
+            (-32_769, 5),
+            (i32::MIN as i64, 5),
+            (i32::MIN as i64 - 1, 9),
+            (i64::MIN, 9),
+        ];
+        for &(v, len) in cases {
+            let mut out = Vec::new();
+            write_int(&mut out, v);
+            assert_eq!(out.len(), len, "{v}");
+            assert_eq!(Reader::new(&out).read_int().unwrap(), v as i128);
+        }
+        let mut out = Vec::new();
+        write_uint(&mut out, u64::MAX);
+        assert_eq!(Reader::new(&out).read_int().unwrap(), u64::MAX as i128);
+    }
+
+    #[test]
+    fn strs_and_bins_round_trip() {
+        for len in [0usize, 31, 32, 255, 256, 65_535, 65_536] {
+            let s = "x".repeat(len);
+            let mut out = Vec::new();
+            write_str(&mut out, s.as_bytes());
+            write_bin(&mut out, s.as_bytes());
+            let mut r = Reader::new(&out);
+            assert_eq!(r.read_str().unwrap(), s);
+            assert_eq!(r.read_bin().unwrap(), s.as_bytes());
+            assert!(r.is_empty());
+        }
+    }
+
+    #[test]
+    fn struct_headers_are_sized_for_the_most_entries() {
+        for (n, max, first, len) in [(3, 3, 0x83, 1), (8, 16, 0xde, 3), (8, 70_000, 0xdf, 5)] {
+            let mut out = Vec::new();
+            write_struct_header(&mut out, n, max);
+            assert_eq!((out[0], out.len()), (first, len));
+            assert_eq!(Reader::new(&out).read_map_len().unwrap(), n);
+        }
     }
 
     #[test]

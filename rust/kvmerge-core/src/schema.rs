@@ -61,8 +61,9 @@ pub struct EventInfo {
     pub group_idx: Option<i64>,
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Ty {
+/// The type of a field the schema knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ty {
     Int,
     OptInt,
     OptStr,
@@ -131,6 +132,21 @@ fn fields(kind: EventKind) -> &'static [Field] {
         EventKind::BlockRemoved => BLOCK_REMOVED,
         EventKind::AllBlocksCleared => ALL_BLOCKS_CLEARED,
     }
+}
+
+/// The type of field `name` of `kind`, and whether every event must have
+/// it; None for a field the schema does not know.
+pub fn field(kind: EventKind, name: &str) -> Option<(Ty, bool)> {
+    fields(kind)
+        .iter()
+        .find(|f| f.name == name)
+        .map(|f| (f.ty, f.required))
+}
+
+/// Whether `bytes` are exactly one value of type `ty`.
+pub fn is_value(ty: Ty, bytes: &[u8]) -> bool {
+    let mut r = Reader::new(bytes);
+    check_value(&mut r, ty).is_ok() && r.is_empty()
 }
 
 /// Why an event does not have vLLM's shape.

@@ -1,35 +1,17 @@
 //! Builders of msgspec-shaped events for the crate's own tests and benches.
 
 use crate::batch::Batch;
-use crate::msgpack::write_array_header;
+use crate::msgpack::{self, write_array_header};
 
 /// One event, msgpack-encoded as msgspec encodes vLLM's classes.
 pub type Ev = Vec<u8>;
 
 /// A short msgpack str (field names, tags), as msgspec writes it.
 pub fn write_str(out: &mut Vec<u8>, s: &str) {
-    assert!(s.len() < 32);
-    out.push(0xa0 | s.len() as u8);
-    out.extend_from_slice(s.as_bytes());
+    msgpack::write_str(out, s.as_bytes());
 }
 
-/// An unsigned int in msgspec's (smallest) encoding.
-pub fn write_uint(out: &mut Vec<u8>, v: u64) {
-    if v < 0x80 {
-        out.push(v as u8);
-    } else if v < 0x100 {
-        out.extend_from_slice(&[0xcc, v as u8]);
-    } else if v < 0x1_0000 {
-        out.push(0xcd);
-        out.extend_from_slice(&(v as u16).to_be_bytes());
-    } else if v < 0x1_0000_0000 {
-        out.push(0xce);
-        out.extend_from_slice(&(v as u32).to_be_bytes());
-    } else {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
-}
+pub use crate::msgpack::write_uint;
 
 /// A `BlockStored`'s fields after `token_ids`: block size 16, medium "CPU",
 /// no LoRA, and `group_idx` when given (the map header must count it).

@@ -3,16 +3,18 @@
 
 use std::sync::Arc;
 
-use kvmerge_core::Batch;
+use kvmerge_core::msgpack::Reader;
+use kvmerge_core::schema::{self, EventInfo};
+use kvmerge_core::{Batch, Error, Written};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 use crate::batch::PyEventBatch;
 use crate::convert::{carriers_arg, rank_in_world, type_name};
-use crate::errors::{config, invalid_event};
+use crate::errors::{config, invalid_event, PyKvError};
 use crate::gil::{self, is_small};
-use crate::schema::schema;
+use crate::schema::{schema, Schema};
 
 // Documented in _kvmerge.pyi.
 #[pyfunction]
@@ -69,37 +71,79 @@ pub fn encode(
                 .collect::<PyResult<Vec<_>>>()?,
         )?,
     };
-    let types = s.event_types.bind(py);
-    for (i, ev) in list.iter().enumerate() {
-        let ty = ev.get_type();
-        // vLLM's own classes first: the check every event takes.
-        let kind = match types.iter().position(|t| t.is(&ty)) {
-            Some(kind) => kind,
-            None => subclass_kind(&ev, types)
-                .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?,
+    let carrier = carrier.as_ref().map(|(carriers, r)| (carriers, *r));
+    let (events, written) = write_all(&list, s)?;
+    let small = is_small(events.len() as u64, 0);
+    let batch = gil::run(py, small, || {
+        Batch::encode_written(&events, &written, carrier)
+    })?;
+    Ok(PyEventBatch::new(Arc::new(batch)))
+}
+
+/// Every event written back to back, with where each ends and what it is:
+/// by `write` when it can, else checked here and encoded by msgspec, its
+/// bytes then checked against the schema (what `write` leaves to msgspec is
+/// rare: a subclass, an `int` subclass, a value of the wrong type).
+fn write_all(list: &Bound<'_, PyList>, s: &Schema) -> PyResult<(Vec<u8>, Vec<Written>)> {
+    let py = list.py();
+    let encoder = s.encoder.bind(py);
+    // About what vLLM's prefill-size events take (600 bytes at 144 tokens).
+    let mut out = Vec::with_capacity(list.len() * 512);
+    let mut written = Vec::with_capacity(list.len());
+    for (index, ev) in list.iter().enumerate() {
+        let start = out.len();
+        let info = match s.writer.event(&ev, encoder, &mut out) {
+            Some(info) => info,
+            None => {
+                out.truncate(start);
+                by_msgspec(index, &ev, s, &mut out)?
+            }
         };
-        check_containers(&ev, kind)
-            .map_err(|why| invalid_event(py, format!("event {i}: {why}")))?;
+        written.push(Written {
+            end: out.len(),
+            info,
+        });
     }
-    let payload = s
+    Ok((out, written))
+}
+
+/// Event `index` checked, encoded by msgspec and its bytes read back.
+fn by_msgspec(
+    index: usize,
+    ev: &Bound<'_, PyAny>,
+    s: &Schema,
+    out: &mut Vec<u8>,
+) -> PyResult<EventInfo> {
+    let py = ev.py();
+    let types = s.event_types.bind(py);
+    let ty = ev.get_type();
+    let kind = match types.iter().position(|t| t.is(&ty)) {
+        Some(kind) => kind,
+        None => subclass_kind(ev, types)
+            .map_err(|why| invalid_event(py, format!("event {index}: {why}")))?,
+    };
+    check_containers(ev, kind).map_err(|why| invalid_event(py, format!("event {index}: {why}")))?;
+    let bytes = s
         .encoder
         .bind(py)
-        .call_method1("encode", (&list,))
+        .call_method1("encode", (ev,))
         .map_err(|e| {
             // msgspec's refusals (unsupported types, ints beyond 64 bits,
             // recursion) are bad events; KeyboardInterrupt and the like are not.
             if e.is_instance_of::<PyException>(py) {
-                invalid_event(py, format!("events do not encode: {}", e.value(py)))
+                invalid_event(
+                    py,
+                    format!("event {index}: does not encode: {}", e.value(py)),
+                )
             } else {
                 e
             }
         })?;
-    let payload = payload.cast::<PyBytes>()?;
-    let bytes: &[u8] = payload.as_bytes();
-    let carrier = carrier.as_ref().map(|(carriers, r)| (carriers, *r));
-    let small = is_small(bytes.len() as u64, 0);
-    let batch = gil::run(py, small, || Batch::encode_for(bytes, carrier))?;
-    Ok(PyEventBatch::new(Arc::new(batch)))
+    let bytes = bytes.cast::<PyBytes>()?.as_bytes();
+    let info = schema::read_event(&mut Reader::new(bytes))
+        .map_err(|reason| PyKvError::from(Error::InvalidEvent { index, reason }))?;
+    out.extend_from_slice(bytes);
+    Ok(info)
 }
 
 /// The position in `EVENT_TYPES` of the vLLM class `ev`'s class derives

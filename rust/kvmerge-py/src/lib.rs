@@ -8,9 +8,11 @@ mod convert;
 mod encode;
 mod errors;
 mod gil;
+mod layout;
 mod merger;
 mod raw;
 mod schema;
+mod write;
 
 use pyo3::prelude::*;
 
