@@ -4,6 +4,7 @@
 //! | group | what | throughput |
 //! | --- | --- | --- |
 //! | `encode/{int,bytes}` | msgspec payload -> batch: parse, check, XXH3-128 identities | events |
+//! | `written/{int,bytes}` | events the worker wrote itself -> batch (`Batch::encode_written`: identities, carriers of rank 0 of 8, records; no parse) | events |
 //! | `identity/{int,bytes}` | the fingerprint alone: `Identity::of` every event's bytes | events |
 //! | `decode/{int,bytes}` | a received batch: `Batch::from_vec` (XXH3, records) and reading every event back with the schema reader | events |
 //! | `merge_{all,quorum,any}[_skewed]/{int,bytes}/R_ranks` | R ranks' batches, as workers send them (each event's bytes only from its carriers), added; `finish_step_published` (what `finish_step_raw` reads: the events where they arrived, nothing copied) | events of all ranks |
@@ -32,7 +33,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criteri
 use kvmerge_core::msgpack::{write_array_header, Reader};
 use kvmerge_core::schema::read_event;
 use kvmerge_core::testing::{clear, payload, write_stored_tail, write_str, write_uint, Ev};
-use kvmerge_core::{Batch, Carriers, Identity, Merger, MergerConfig, Rule};
+use kvmerge_core::{Batch, Carriers, Identity, Merger, MergerConfig, Rule, Written};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Hashes {
@@ -182,6 +183,38 @@ fn encode(c: &mut Criterion) {
             g.throughput(Throughput::Elements(n as u64));
             g.bench_with_input(id(kind, n), &p, |b, p| {
                 b.iter(|| Batch::encode(black_box(p)).unwrap())
+            });
+        }
+    }
+    g.finish();
+}
+
+/// What the worker's `kvmerge.encode` does in Rust after writing the events
+/// (`Batch::encode_written`): identities, rank 0 of 8's carriers under rule
+/// "all", records, and the carried events copied; no parse.
+fn written(c: &mut Criterion) {
+    let grid = grid();
+    let carriers = Carriers::new(8, Rule::All);
+    let mut g = c.benchmark_group("written");
+    for &kind in &grid.hashes {
+        for &n in &grid.sizes {
+            let mut bytes = Vec::new();
+            let mut ends = Vec::new();
+            for e in events(n, kind) {
+                bytes.extend_from_slice(&e);
+                let info = read_event(&mut Reader::new(&e)).expect("bench events are well formed");
+                ends.push(Written {
+                    end: bytes.len(),
+                    info,
+                });
+            }
+            sized(&mut g, n);
+            g.throughput(Throughput::Elements(n as u64));
+            g.bench_with_input(id(kind, n), &(bytes, ends), |b, (bytes, ends)| {
+                b.iter(|| {
+                    Batch::encode_written(black_box(bytes), black_box(ends), Some((&carriers, 0)))
+                        .unwrap()
+                })
             });
         }
     }
@@ -459,6 +492,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(2));
-    targets = encode, identity, decode, merge, stragglers, raw, gather
+    targets = encode, written, identity, decode, merge, stragglers, raw, gather
 }
 criterion_main!(benches);
