@@ -19,6 +19,7 @@ __all__ = [
     "MergerStats",
     "RankError",
     "_borrow_buffers",
+    "_layout",
     "encode",
 ]
 
@@ -191,6 +192,10 @@ class Merger:
 
 def _borrow_buffers(enter: bool) -> None:
     """Open or close a `kvmerge.borrow_buffers()` block on this thread."""
+
+def _layout() -> str | None:
+    """How `encode` reads lists and ints: in place as `"sized"` (CPython
+    3.11) or `"tagged"` (3.12 to 3.14), None through the stable ABI."""
 
 def encode(
     events: Sequence[_Event],

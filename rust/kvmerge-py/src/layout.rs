@@ -28,6 +28,17 @@ const WORD_AT: usize = 16;
 const DIGIT_AT: usize = 24;
 const ITEMS_AT: usize = 24;
 
+/// How this interpreter's lists and ints are read: in place as `"sized"`
+/// (3.11) or `"tagged"` (3.12 to 3.14), or None (through the API), so that
+/// tests can tell the fast path is the one they exercise.
+#[pyfunction]
+pub fn _layout(py: Python<'_>) -> Option<&'static str> {
+    Layout::detect(py).map(|layout| match layout {
+        Layout::Sized => "sized",
+        Layout::Tagged => "tagged",
+    })
+}
+
 impl Layout {
     /// This interpreter's layout, if it is one of the known ones and reads
     /// known objects as the API does.

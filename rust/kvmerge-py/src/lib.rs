@@ -34,5 +34,6 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<merger::PyMergerStats>()?;
     m.add_function(wrap_pyfunction!(encode::encode, m)?)?;
     m.add_function(wrap_pyfunction!(batch::_borrow_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(layout::_layout, m)?)?;
     Ok(())
 }
