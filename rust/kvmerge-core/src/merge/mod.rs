@@ -3,8 +3,9 @@
 //! `segment` ("all", "quorum", incrementally over an index of the pending
 //! reports), `prefix` ("all", and "quorum" while every report needs every
 //! rank, while the ranks' pending reports are prefixes of one sequence: a
-//! rank late or silent), `union` ("any") and `fast` (nothing pending and
-//! every rank said the same thing).
+//! rank late or silent), `union` ("any"), `fast` (nothing pending and
+//! every rank said the same thing) and `held` (a rank a step late, the
+//! others' batches waiting whole).
 //!
 //! Dependencies go one way: this module uses the rules, the rules use
 //! `state` and the small leaf modules (`report`, `pending`, `published`...),
@@ -12,6 +13,7 @@
 
 mod config;
 mod fast;
+mod held;
 mod pending;
 mod prefix;
 mod published;
@@ -209,6 +211,8 @@ impl Merger {
             Rule::All | Rule::Quorum => {
                 if shortcut && fast::applies(self) {
                     fast::finish(self)
+                } else if let Some(out) = shortcut.then(|| held::finish(self)).flatten() {
+                    out
                 } else {
                     let out = segment::finish(self);
                     self.expire();
@@ -233,6 +237,7 @@ impl Merger {
         self.incoming.iter_mut().for_each(|b| *b = None);
         self.incoming_load = (0, 0);
         self.queues.iter_mut().for_each(Queue::clear);
+        self.held.iter_mut().for_each(|h| *h = None);
         self.live = 0;
         self.fenced = 0;
         self.index.clear();

@@ -20,6 +20,7 @@ pub(super) fn finish(m: &mut Merger) -> Published {
     let mut pubs = Vec::new();
     // Slots are released only after the output is gathered from them.
     let mut released = Released::default();
+    m.expand_held();
     let before: Vec<u64> = m.queues.iter().map(Queue::end).collect();
     m.enqueue_incoming();
     if !m.indexed {

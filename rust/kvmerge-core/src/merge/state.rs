@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use super::config::MergerConfig;
+use super::held::Held;
 use super::pending::{Index, Queue};
 use super::published::Published;
 use super::report::{Publication, Report};
@@ -25,7 +26,10 @@ pub struct Merger {
     /// The incoming batches' carried bytes and reports (see `Slots::load`).
     pub(super) incoming_load: (u64, u64),
     pub(super) queues: Vec<Queue>,
-    /// Live reports in the queues.
+    /// Per rank, a batch pending whole instead of queued (see `held`): then
+    /// nothing else is pending on any rank.
+    pub(super) held: Vec<Option<Held>>,
+    /// Live reports in the queues and the held batches.
     pub(super) live: u64,
     /// Ranks with a fence (a pending clear).
     pub(super) fenced: usize,
@@ -51,6 +55,7 @@ impl Merger {
             incoming: vec![None; w],
             incoming_load: (0, 0),
             queues: (0..w).map(|_| Queue::default()).collect(),
+            held: vec![None; w],
             live: 0,
             fenced: 0,
             indexed: false,
@@ -84,22 +89,48 @@ impl Merger {
                 continue;
             }
             let slot = self.slots.insert(batch.clone(), batch.len() as u32);
-            for i in 0..batch.len() {
-                let report = Report {
-                    identity: batch.identity(i),
-                    step: self.step,
-                    slot,
-                    idx: i as u32,
-                    factor: self.factor_of(&batch, i),
-                    clear: batch.kind(i) == EventKind::AllBlocksCleared,
-                    carried: batch.carries(i),
-                };
-                if report.clear && self.queues[rank].clears.is_empty() {
-                    self.fenced += 1;
-                }
-                self.queues[rank].push(report);
-            }
+            self.queue_reports(rank, &batch, slot, self.step);
             self.live += batch.len() as u64;
+        }
+    }
+
+    /// `rank`'s batch, pending whole from this step on (see `held`).
+    pub(super) fn hold_batch(&mut self, rank: usize, batch: Arc<Batch>) {
+        let n = batch.len();
+        let slot = self.slots.insert(batch, n as u32);
+        self.held[rank] = Some(Held {
+            slot,
+            step: self.step,
+        });
+        self.live += n as u64;
+    }
+
+    /// Queues the held batches' reports, as `enqueue_incoming` would have
+    /// in the steps they came (their reports stay live, in their slots).
+    pub(super) fn expand_held(&mut self) {
+        for rank in 0..self.held.len() {
+            if let Some(h) = self.held[rank].take() {
+                let batch = self.slots.arc(h.slot);
+                self.queue_reports(rank, &batch, h.slot, h.step);
+            }
+        }
+    }
+
+    fn queue_reports(&mut self, rank: usize, batch: &Batch, slot: u32, step: u64) {
+        for i in 0..batch.len() {
+            let report = Report {
+                identity: batch.identity(i),
+                step,
+                slot,
+                idx: i as u32,
+                factor: self.factor_of(batch, i),
+                clear: batch.kind(i) == EventKind::AllBlocksCleared,
+                carried: batch.carries(i),
+            };
+            if report.clear && self.queues[rank].clears.is_empty() {
+                self.fenced += 1;
+            }
+            self.queues[rank].push(report);
         }
     }
 

@@ -630,3 +630,134 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Batches held whole (a rank late or silent, the others identical)
+    /// publish and count what the general path does, step by step: late,
+    /// silent and deviating ranks, clears, duplicates, reports with factor
+    /// 2, every horizon from 0.
+    #[test]
+    fn held_batches_change_nothing(
+        seqs in prop::collection::vec(prop::collection::vec(0u8..9, 0..7), 1..10),
+        late in prop::collection::vec(any::<bool>(), 10),
+        silent in prop::collection::vec(prop::bool::weighted(0.15), 10),
+        odd in prop::collection::vec(prop::option::weighted(0.15, (0usize..3, prop::collection::vec(0u8..9, 0..4))), 10),
+        quorum in any::<bool>(),
+        pending in 0u64..4,
+        w in 1usize..4,
+    ) {
+        let rule = if quorum { Rule::Quorum } else { Rule::All };
+        let factors = quorum.then(|| vec![1, 2]);
+        let seqs: Vec<Vec<u8>> = if quorum {
+            seqs
+        } else {
+            seqs.into_iter().map(|s| s.into_iter().map(|h| if h == 1 { 3 } else { h }).collect()).collect()
+        };
+        let mut a = merger(w, rule, factors.clone(), pending);
+        let mut b = merger(w, rule, factors, pending);
+        for s in 0..seqs.len() + 2 {
+            for r in 0..w {
+                let last = r == w - 1;
+                if last && silent[s % silent.len()] {
+                    // Silent, or an empty batch: nothing to report.
+                    if s % 2 == 0 {
+                        let x = Arc::new(batch(&[]));
+                        a.add(r as i64, x.clone()).unwrap();
+                        b.add(r as i64, x).unwrap();
+                    }
+                    continue;
+                }
+                let late_here = last && late[s % late.len()];
+                let src = if late_here { s.checked_sub(1) } else { Some(s) };
+                // Before its first step, a late rank has nothing to report.
+                let seq = src.and_then(|k| seqs.get(k)).map_or(&[][..], |q| &q[..]);
+                let mut evs = straggler_events(seq);
+                if let Some((who, extra)) = &odd[s % odd.len()] {
+                    if *who == r {
+                        evs.extend(straggler_events(extra));
+                    }
+                }
+                let x = Arc::new(batch(&evs));
+                a.add(r as i64, x.clone()).unwrap();
+                b.add(r as i64, x).unwrap();
+            }
+            prop_assert_eq!(a.load(), b.load(), "step {}", s);
+            let (x, y) = (a.finish_step(), b.finish_step_general());
+            prop_assert_eq!(ids(&x), ids(&y), "step {}", s);
+            prop_assert_eq!(x.payload(), y.payload());
+            prop_assert_eq!(a.stats(), b.stats());
+            prop_assert_eq!(a.load(), b.load());
+        }
+    }
+}
+
+#[test]
+fn a_late_rank_completes_held_batches() {
+    let mut m = merger(3, Rule::All, None, 4);
+    let step = |s: u8| -> Vec<Ev> { (0..5).map(|i| removed(10 * s + i)).collect() };
+    let mut published = Vec::new();
+    for s in 0..6u8 {
+        for r in 0..2 {
+            m.add(r, Arc::new(batch(&step(s)))).unwrap();
+        }
+        // Rank 2 is one step late; at first it has nothing to report (an
+        // empty batch, as the connector's workers send).
+        let late = if s > 0 { step(s - 1) } else { Vec::new() };
+        m.add(2, Arc::new(batch(&late))).unwrap();
+        let out = m.finish_step();
+        assert!(m.held.iter().take(2).all(Option::is_some), "step {s}");
+        assert!(
+            m.queues.iter().all(|q| q.nodes.is_empty()),
+            "nothing queued"
+        );
+        published.push(ids(&out));
+    }
+    assert!(published[0].is_empty());
+    for s in 1..6u8 {
+        assert_eq!(published[s as usize], ids_of(&step(s - 1)));
+    }
+    assert_eq!(m.stats().pending, 10);
+    // Anything else queues the held batches first: rank 2 silent, then back.
+    m.add(0, Arc::new(batch(&step(6)))).unwrap();
+    m.finish_step();
+    assert!(m.held.iter().all(Option::is_none));
+    m.add(2, Arc::new(batch(&step(5)))).unwrap();
+    m.add(1, Arc::new(batch(&step(6)))).unwrap();
+    assert_eq!(ids(&m.finish_step()), ids_of(&step(5)));
+}
+
+/// Under "quorum", two reports of one identity in one segment are one
+/// publication: a batch is held only if that cannot join it to the held
+/// events (the same identity in the next batch, or a clear inside it).
+#[test]
+fn quorum_holds_only_what_stays_one_segment_apart() {
+    let cases: [&[&[u8]]; 3] = [
+        &[&[3], &[3], &[5], &[]],
+        &[&[3], &[4], &[5], &[]],
+        &[&[3, 0, 3], &[4], &[5], &[]],
+    ];
+    for seqs in cases {
+        let mut a = merger(2, Rule::Quorum, Some(vec![1, 2]), 4);
+        let mut b = merger(2, Rule::Quorum, Some(vec![1, 2]), 4);
+        // Rank 1 one step late.
+        for s in 0..seqs.len() {
+            let mut adds = vec![(0, seqs[s])];
+            if s > 0 {
+                adds.push((1, seqs[s - 1]));
+            }
+            for (r, seq) in adds {
+                if s + 1 == seqs.len() && r == 0 {
+                    continue;
+                }
+                let x = Arc::new(batch(&straggler_events(seq)));
+                a.add(r, x.clone()).unwrap();
+                b.add(r, x).unwrap();
+            }
+            let (x, y) = (a.finish_step(), b.finish_step_general());
+            assert_eq!(ids(&x), ids(&y), "{seqs:?} step {s}");
+            assert_eq!(a.stats(), b.stats(), "{seqs:?} step {s}");
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! A rank one step late, without a queued report per event (issue 14).
+//!
+//! Under "all", and "quorum" while every report needs every rank, a step
+//! where some ranks report nothing and the others the same identities
+//! (`hold`), or where the ranks that reported nothing last step now report
+//! what the others did (`complete`), needs no queue: the waiting batches
+//! are held whole, one per rank, and completed as `fast` completes a step.
+//! A held batch stands for exactly the queue the general path would have
+//! built from it (every report, at its step, in order); any other step
+//! queues the held batches first (`Merger::expand_held`), and `tests`
+//! checks that both paths publish the same and count the same.
+//!
+//! What makes that hold: the held batches are identical (by identity) and
+//! have no clear, so the queues are prefixes of one sequence (prefix mode)
+//! with no fence; nothing else is pending; and with `max_pending_steps >= 1`
+//! nothing held expires in the step that holds it or the step after.
+
+use std::sync::Arc;
+
+use super::published::Published;
+use super::state::Merger;
+use crate::batch::Batch;
+use crate::identity::IdentitySet;
+use crate::rule::Rule;
+use crate::schema::EventKind;
+
+/// A rank's batch, pending whole since `step`, in slot `slot`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Held {
+    pub slot: u32,
+    pub step: u64,
+}
+
+/// Holds or completes the step's batches, if the step is one of the two
+/// shapes above; None (nothing changed) otherwise.
+pub(super) fn finish(m: &mut Merger) -> Option<Published> {
+    #[cfg(test)]
+    if m.index_only {
+        return None;
+    }
+    if m.indexed || m.cfg.carriers.rule == Rule::Any || m.cfg.max_pending_steps == 0 {
+        return None;
+    }
+    if m.live == 0 {
+        hold(m)
+    } else {
+        complete(m)
+    }
+}
+
+/// Nothing pending, some ranks silent or with nothing to report (an empty
+/// batch queues nothing either), the others identical: hold those.
+fn hold(m: &mut Merger) -> Option<Published> {
+    let present: Vec<usize> = (0..m.incoming.len())
+        .filter(|&r| m.incoming[r].as_ref().is_some_and(|b| !b.is_empty()))
+        .collect();
+    if present.is_empty() || present.len() == m.incoming.len() {
+        return None;
+    }
+    let first = m.incoming[present[0]].clone().expect("present");
+    if !holdable(m, &first) {
+        return None;
+    }
+    if !present[1..].iter().all(|&r| {
+        m.incoming[r]
+            .as_ref()
+            .is_some_and(|b| b.identity_column_eq(&first))
+    }) {
+        return None;
+    }
+    for r in present {
+        let batch = m.incoming[r].take().expect("present");
+        m.hold_batch(r, batch);
+    }
+    Some(Published::new(Vec::new()))
+}
+
+/// Every pending report held; the ranks without a held batch report the
+/// held identities now, the others each a new batch, all identical: the
+/// held events are published and the new batches held.
+fn complete(m: &mut Merger) -> Option<Published> {
+    let w = m.cfg.carriers.world_size;
+    if m.queues.iter().any(|q| !q.nodes.is_empty()) {
+        return None;
+    }
+    let held: Vec<usize> = (0..w).filter(|&r| m.held[r].is_some()).collect();
+    let (&first, true) = (held.first()?, held.len() < w) else {
+        return None;
+    };
+    let h0 = m.held[first].expect("held");
+    if h0.step + 1 != m.step {
+        return None;
+    }
+    let pending = m.slots.arc(h0.slot);
+    // The late ranks complete the held batches...
+    let late_complete = (0..w).filter(|&r| m.held[r].is_none()).all(|r| {
+        m.incoming[r]
+            .as_ref()
+            .is_some_and(|b| b.identity_column_eq(&pending))
+    });
+    if !late_complete {
+        return None;
+    }
+    // ...and the others' new batches can be held in turn.
+    let next = m.incoming[first].clone()?;
+    let all_new = held.iter().all(|&r| {
+        m.incoming[r]
+            .as_ref()
+            .is_some_and(|b| b.identity_column_eq(&next))
+    });
+    if !all_new || (!next.is_empty() && !holdable(m, &next)) {
+        return None;
+    }
+    let quorum = m.cfg.carriers.rule == Rule::Quorum;
+    let mut seen = IdentitySet::default();
+    if quorum {
+        // An identity published now whose report recurs in the new batches
+        // is consumed with this publication (same segment): the queue would
+        // not be the new batch whole.
+        seen.extend((0..pending.len()).map(|i| pending.identity(i)));
+        if (0..next.len()).any(|i| seen.contains(&next.identity(i))) {
+            return None;
+        }
+        seen.clear();
+    }
+    // The batches every rank reported the held events in, in rank order:
+    // each event is taken from the first that carries its bytes.
+    let batches: Vec<Arc<Batch>> = (0..w)
+        .map(|r| match m.held[r] {
+            Some(h) => m.slots.arc(h.slot),
+            None => m.incoming[r].clone().expect("checked above"),
+        })
+        .collect();
+    let picks = (0..pending.len())
+        .filter(|&i| !quorum || seen.insert(pending.identity(i)))
+        .map(|i| {
+            let carrier = batches.iter().find(|b| b.carries(i)).unwrap_or(&batches[0]);
+            (carrier.clone(), i as u32)
+        })
+        .collect();
+    let n = pending.len() as u64;
+    for &r in &held {
+        let h = m.held[r].take().expect("held");
+        m.slots.release_n(h.slot, n as u32);
+        m.live -= n;
+    }
+    m.stats.consumed += w as u64 * n;
+    if !next.is_empty() {
+        for r in held {
+            let batch = m.incoming[r].take().expect("checked above");
+            m.hold_batch(r, batch);
+        }
+    }
+    Some(Published::new(picks))
+}
+
+/// A batch that can wait whole: no clear (one segment, with no fence: its
+/// events complete together, and under "quorum" each identity once), and
+/// under "quorum" every report needs every rank (else one could complete
+/// without the late ranks).
+fn holdable(m: &Merger, batch: &Batch) -> bool {
+    let w = m.cfg.carriers.world_size as u64;
+    (0..batch.len()).all(|i| {
+        batch.kind(i) != EventKind::AllBlocksCleared
+            && (m.cfg.carriers.rule != Rule::Quorum
+                || w.div_ceil(m.factor_of(batch, i) as u64) == w)
+    })
+}
