@@ -353,33 +353,43 @@ const INT_WIDTH: [u8; 256] = {
 /// msgpack's nil.
 pub const NIL: u8 = 0xc0;
 
-/// A header for `len` bytes of one family (str, bin): the smallest form that
-/// holds `len`, as msgspec writes them. `fix` is the family's 5-bit form
-/// (str only), `wide` its 8-, 16- and 32-bit length markers.
-fn write_len(out: &mut Vec<u8>, len: usize, fix: Option<u8>, wide: [u8; 3]) {
-    match (fix, len) {
-        (Some(fix), 0..=31) => out.push(fix | len as u8),
-        (_, 0..=0xff) => out.extend_from_slice(&[wide[0], len as u8]),
-        (_, 0x100..=0xffff) => {
-            out.push(wide[1]);
-            out.extend_from_slice(&(len as u16).to_be_bytes());
+/// The header of a str, bin, array or map holding `n` (bytes, items or
+/// entries), in the smallest form that holds `size`: `n` itself, except for
+/// a struct's map (`write_struct_header`). `fix` is the family's short form
+/// and how far it reaches, then the 8-bit form if the family has one, the
+/// 16- and 32-bit forms: the choices msgspec makes.
+fn write_header(
+    out: &mut Vec<u8>,
+    n: usize,
+    size: usize,
+    fix: Option<(u8, usize)>,
+    wide: (Option<u8>, u8, u8),
+) {
+    match (fix, wide.0) {
+        (Some((short, reach)), _) if size < reach => out.push(short | n as u8),
+        (_, Some(w8)) if size <= 0xff => out.extend_from_slice(&[w8, n as u8]),
+        _ if size <= 0xffff => {
+            out.push(wide.1);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
         }
         _ => {
-            out.push(wide[2]);
-            out.extend_from_slice(&(len as u32).to_be_bytes());
+            out.push(wide.2);
+            out.extend_from_slice(&(n as u32).to_be_bytes());
         }
     }
 }
 
 /// A msgpack str (UTF-8 `bytes`).
 pub fn write_str(out: &mut Vec<u8>, bytes: &[u8]) {
-    write_len(out, bytes.len(), Some(0xa0), [0xd9, 0xda, 0xdb]);
+    let n = bytes.len();
+    write_header(out, n, n, Some((0xa0, 32)), (Some(0xd9), 0xda, 0xdb));
     out.extend_from_slice(bytes);
 }
 
 /// A msgpack bin.
 pub fn write_bin(out: &mut Vec<u8>, bytes: &[u8]) {
-    write_len(out, bytes.len(), None, [0xc4, 0xc5, 0xc6]);
+    let n = bytes.len();
+    write_header(out, n, n, None, (Some(0xc4), 0xc5, 0xc6));
     out.extend_from_slice(bytes);
 }
 
@@ -435,28 +445,12 @@ pub fn write_int(out: &mut Vec<u8>, v: i64) {
 /// header for `max` before it knows how many entries follow: vLLM's
 /// `BlockStored` (15 fields and the tag) gets a map16 header even with 8.
 pub fn write_struct_header(out: &mut Vec<u8>, n: usize, max: usize) {
-    if max < 16 {
-        out.push(0x80 | n as u8);
-    } else if max <= u16::MAX as usize {
-        out.push(0xde);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        out.push(0xdf);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
+    write_header(out, n, max, Some((0x80, 16)), (None, 0xde, 0xdf));
 }
 
 /// Writes a msgpack array header for `n` elements.
 pub fn write_array_header(out: &mut Vec<u8>, n: usize) {
-    if n < 16 {
-        out.push(0x90 | n as u8);
-    } else if n <= u16::MAX as usize {
-        out.push(0xdc);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        out.push(0xdd);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
+    write_header(out, n, n, Some((0x90, 16)), (None, 0xdc, 0xdd));
 }
 
 #[cfg(test)]

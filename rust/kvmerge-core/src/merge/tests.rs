@@ -584,62 +584,13 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     /// The prefix walk ("all", and "quorum" while every report needs every
-    /// rank) publishes what the index does, in the same order, with the same
-    /// counters: one rank late, one silent, duplicates, clears, the odd
-    /// deviating rank, reports with factor 2.
+    /// rank) publishes what the index does, and batches held whole (a rank
+    /// late or silent, the others identical) what the general path does, in
+    /// the same order, with the same counters and load, step by step: one
+    /// rank late, silent or sending empty batches, duplicates, clears, the
+    /// odd deviating rank, reports with factor 2, every horizon from 0.
     #[test]
-    fn prefix_mode_changes_nothing(
-        seqs in prop::collection::vec(prop::collection::vec(0u8..9, 0..7), 1..10),
-        late in prop::collection::vec(any::<bool>(), 10),
-        odd in prop::collection::vec(prop::option::weighted(0.15, (0usize..3, prop::collection::vec(0u8..9, 0..4))), 10),
-        quorum in any::<bool>(),
-        pending in 0u64..4,
-        w in 1usize..4,
-    ) {
-        let rule = if quorum { Rule::Quorum } else { Rule::All };
-        let factors = quorum.then(|| vec![1, 2]);
-        let seqs: Vec<Vec<u8>> = if quorum {
-            seqs
-        } else {
-            // Factor 2 only exists under "quorum"; keep the ids the same.
-            seqs.into_iter().map(|s| s.into_iter().map(|h| if h == 1 { 3 } else { h }).collect()).collect()
-        };
-        let mut a = merger(w, rule, factors.clone(), pending);
-        let mut b = merger(w, rule, factors, pending);
-        b.index_only = true;
-        b.indexed = true;
-        for s in 0..seqs.len() + 2 {
-            for r in 0..w {
-                let late_here = r == w - 1 && late[s % late.len()];
-                let src = if late_here { s.checked_sub(1) } else { Some(s) };
-                let Some(seq) = src.and_then(|k| seqs.get(k)) else { continue };
-                let mut evs = straggler_events(seq);
-                if let Some((who, extra)) = &odd[s % odd.len()] {
-                    if *who == r {
-                        evs.extend(straggler_events(extra));
-                    }
-                }
-                let x = Arc::new(batch(&evs));
-                a.add(r as i64, x.clone()).unwrap();
-                b.add(r as i64, x).unwrap();
-            }
-            let (x, y) = (a.finish_step_general(), b.finish_step_general());
-            prop_assert_eq!(ids(&x), ids(&y), "step {}", s);
-            prop_assert_eq!(x.payload(), y.payload());
-            prop_assert_eq!(a.stats(), b.stats());
-        }
-    }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
-
-    /// Batches held whole (a rank late or silent, the others identical)
-    /// publish and count what the general path does, step by step: late,
-    /// silent and deviating ranks, clears, duplicates, reports with factor
-    /// 2, every horizon from 0.
-    #[test]
-    fn held_batches_change_nothing(
+    fn prefix_mode_and_held_batches_change_nothing(
         seqs in prop::collection::vec(prop::collection::vec(0u8..9, 0..7), 1..10),
         late in prop::collection::vec(any::<bool>(), 10),
         silent in prop::collection::vec(prop::bool::weighted(0.15), 10),
@@ -653,19 +604,23 @@ proptest! {
         let seqs: Vec<Vec<u8>> = if quorum {
             seqs
         } else {
+            // Factor 2 only exists under "quorum"; keep the ids the same.
             seqs.into_iter().map(|s| s.into_iter().map(|h| if h == 1 { 3 } else { h }).collect()).collect()
         };
-        let mut a = merger(w, rule, factors.clone(), pending);
-        let mut b = merger(w, rule, factors, pending);
+        // Shortcuts (held batches) / the general path in prefix mode / the index.
+        let mut held = merger(w, rule, factors.clone(), pending);
+        let mut prefix = merger(w, rule, factors.clone(), pending);
+        let mut index = merger(w, rule, factors, pending);
+        index.index_only = true;
+        index.indexed = true;
         for s in 0..seqs.len() + 2 {
+            let mut adds: Vec<(usize, Vec<Ev>)> = Vec::new();
             for r in 0..w {
                 let last = r == w - 1;
                 if last && silent[s % silent.len()] {
                     // Silent, or an empty batch: nothing to report.
                     if s % 2 == 0 {
-                        let x = Arc::new(batch(&[]));
-                        a.add(r as i64, x.clone()).unwrap();
-                        b.add(r as i64, x).unwrap();
+                        adds.push((r, Vec::new()));
                     }
                     continue;
                 }
@@ -679,16 +634,27 @@ proptest! {
                         evs.extend(straggler_events(extra));
                     }
                 }
-                let x = Arc::new(batch(&evs));
-                a.add(r as i64, x.clone()).unwrap();
-                b.add(r as i64, x).unwrap();
+                adds.push((r, evs));
             }
-            prop_assert_eq!(a.load(), b.load(), "step {}", s);
-            let (x, y) = (a.finish_step(), b.finish_step_general());
-            prop_assert_eq!(ids(&x), ids(&y), "step {}", s);
-            prop_assert_eq!(x.payload(), y.payload());
-            prop_assert_eq!(a.stats(), b.stats());
-            prop_assert_eq!(a.load(), b.load());
+            for (r, evs) in adds {
+                let x = Arc::new(batch(&evs));
+                for m in [&mut held, &mut prefix, &mut index] {
+                    m.add(r as i64, x.clone()).unwrap();
+                }
+            }
+            prop_assert_eq!(held.load(), prefix.load(), "step {}", s);
+            let (x, y, z) = (
+                held.finish_step(),
+                prefix.finish_step_general(),
+                index.finish_step_general(),
+            );
+            prop_assert_eq!(ids(&x), ids(&z), "step {}", s);
+            prop_assert_eq!(ids(&y), ids(&z), "step {}", s);
+            prop_assert_eq!(x.payload(), z.payload());
+            prop_assert_eq!(y.payload(), z.payload());
+            prop_assert_eq!(held.stats(), index.stats());
+            prop_assert_eq!(prefix.stats(), index.stats());
+            prop_assert_eq!(held.load(), prefix.load());
         }
     }
 }
