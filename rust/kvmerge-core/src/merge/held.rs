@@ -24,13 +24,6 @@ use crate::identity::IdentitySet;
 use crate::rule::Rule;
 use crate::schema::EventKind;
 
-/// A rank's batch, pending whole since `step`, in slot `slot`.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Held {
-    pub slot: u32,
-    pub step: u64,
-}
-
 /// Holds or completes the step's batches, if the step is one of the two
 /// shapes above; None (nothing changed) otherwise.
 pub(super) fn finish(m: &mut Merger) -> Option<Published> {

@@ -1,12 +1,20 @@
-//! The pending reports: per rank a FIFO queue of reports in position order,
-//! and (in indexed mode) per identity, per rank, the list of its eligible
-//! reports threaded through the queue, so a step only visits the identities
-//! its new, completing, cleared or expiring reports touch.
+//! The pending reports: per rank a FIFO queue of reports in position order
+//! (or a batch held whole), and (in indexed mode) per identity, per rank,
+//! the list of its eligible reports threaded through the queue, so a step
+//! only visits the identities its new, completing, cleared or expiring
+//! reports touch.
 
 use std::collections::VecDeque;
 
 use super::report::{Position, Publication, Report};
 use crate::identity::{Identity, IdentityMap};
+
+/// A rank's batch, pending whole since `step`, in slot `slot` (see `held`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Held {
+    pub slot: u32,
+    pub step: u64,
+}
 
 /// No next report in an identity's list.
 pub(super) const NONE: u64 = u64::MAX;

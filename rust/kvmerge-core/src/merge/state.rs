@@ -6,8 +6,7 @@
 use std::sync::Arc;
 
 use super::config::MergerConfig;
-use super::held::Held;
-use super::pending::{Index, Queue};
+use super::pending::{Held, Index, Queue};
 use super::published::Published;
 use super::report::{Publication, Report};
 use super::slots::{Released, Slots};
