@@ -1,5 +1,6 @@
-//! `encode`, the worker's entry point: vLLM's events, checked, encoded by
-//! msgspec and made a batch by the core.
+//! `encode`, the worker's entry point: vLLM's events written as msgspec
+//! writes them (by `write`, or by msgspec and then checked), made a batch
+//! by the core.
 
 use std::sync::Arc;
 

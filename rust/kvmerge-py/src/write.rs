@@ -50,10 +50,9 @@ struct Field {
     is_group: bool,
 }
 
-/// What `event` needs: the plans of `EVENT_TYPES` (BlockStored,
-/// BlockRemoved, AllBlocksCleared) that this module can write (a class it
-/// cannot has none, and its events take msgspec's path), and how to read
-/// lists and ints in place, where it can.
+/// What `event` needs: the plans of the `EVENT_TYPES` this module can write
+/// (a class it cannot has none, and its events take msgspec's path), and
+/// how to read lists and ints in place, where it can.
 pub struct Writer {
     plans: Vec<Plan>,
     layout: Option<Layout>,
@@ -61,16 +60,10 @@ pub struct Writer {
 
 impl Writer {
     pub fn new(types: &Bound<'_, PyTuple>) -> Writer {
-        const KINDS: [EventKind; 3] = [
-            EventKind::BlockStored,
-            EventKind::BlockRemoved,
-            EventKind::AllBlocksCleared,
-        ];
         Writer {
             plans: types
                 .iter()
-                .zip(KINDS)
-                .filter_map(|(class, kind)| plan(&class, kind).ok().flatten())
+                .filter_map(|class| plan(&class).ok().flatten())
                 .collect(),
             layout: Layout::detect(types.py()),
         }
@@ -98,12 +91,15 @@ impl Writer {
     }
 }
 
-fn plan(class: &Bound<'_, PyAny>, kind: EventKind) -> PyResult<Option<Plan>> {
+/// The plan of an event class whose tag names the kind the schema reads.
+fn plan(class: &Bound<'_, PyAny>) -> PyResult<Option<Plan>> {
     let config = class.getattr("__struct_config__")?;
     let tag_field: String = config.getattr("tag_field")?.extract()?;
     let tag: String = config.getattr("tag")?.extract()?;
+    let Some(kind) = EventKind::from_name(&tag) else {
+        return Ok(None);
+    };
     if tag_field != "type"
-        || tag != kind.name()
         || config.getattr("array_like")?.is_truthy()?
         || !config.getattr("omit_defaults")?.is_truthy()?
     {

@@ -25,32 +25,44 @@ pub(super) fn finish(m: &mut Merger) -> Published {
     let w = m.cfg.carriers.world_size;
     let last = m.incoming[w - 1].clone().expect("applies() checked");
     m.stats.consumed += (w * last.len()) as u64;
-    match m.cfg.carriers.rule {
-        // Every report completes, in order: the output is the batch itself.
-        Rule::All if last.uncarried() == 0 => Published::whole(&last),
-        Rule::All => carried(m, 0..last.len()),
+    // Every report completes, in order: the output is the batch itself.
+    if m.cfg.carriers.rule == Rule::All && last.uncarried() == 0 {
+        return Published::whole(&last);
+    }
+    let batches: Vec<&Arc<Batch>> = m.incoming.iter().flatten().collect();
+    carried(&batches, published(m.cfg.carriers.rule, &last))
+}
+
+/// The indices of the events of a sequence every rank reported alike that
+/// the rule publishes: every one under "all"; under "quorum" each
+/// identity's first in its segment (between clears).
+pub(super) fn published(rule: Rule, batch: &Batch) -> Vec<usize> {
+    match rule {
+        Rule::All => (0..batch.len()).collect(),
         Rule::Quorum => {
             let mut seen = IdentitySet::default();
-            let keep = (0..last.len()).filter(|&i| {
-                if last.kind(i) == EventKind::AllBlocksCleared {
-                    seen.clear();
-                    true
-                } else {
-                    seen.insert(last.identity(i))
-                }
-            });
-            carried(m, keep)
+            (0..batch.len())
+                .filter(|&i| {
+                    if batch.kind(i) == EventKind::AllBlocksCleared {
+                        seen.clear();
+                        true
+                    } else {
+                        seen.insert(batch.identity(i))
+                    }
+                })
+                .collect()
         }
         Rule::Any => unreachable!("rule \"any\" has its own pass"),
     }
 }
 
-/// The events at `indices` (equal on every rank), each taken from a rank
-/// whose batch carries its bytes; `check_carriers` guarantees there is one.
-fn carried(m: &Merger, indices: impl Iterator<Item = usize>) -> Published {
-    let batches: Vec<&Arc<Batch>> = m.incoming.iter().flatten().collect();
+/// The events at `indices` (equal in every batch of `batches`, one per
+/// rank), each taken from the first batch that carries its bytes;
+/// `check_carriers` guarantees there is one.
+pub(super) fn carried(batches: &[&Arc<Batch>], indices: Vec<usize>) -> Published {
     Published::new(
         indices
+            .into_iter()
             .map(|i| {
                 let carrier = batches.iter().find(|b| b.carries(i)).unwrap_or(&batches[0]);
                 ((*carrier).clone(), i as u32)

@@ -17,6 +17,7 @@
 
 use std::sync::Arc;
 
+use super::fast;
 use super::published::Published;
 use super::state::Merger;
 use crate::batch::Batch;
@@ -104,33 +105,26 @@ fn complete(m: &mut Merger) -> Option<Published> {
     if !all_new || (!next.is_empty() && !holdable(m, &next)) {
         return None;
     }
-    let quorum = m.cfg.carriers.rule == Rule::Quorum;
-    let mut seen = IdentitySet::default();
-    if quorum {
+    if m.cfg.carriers.rule == Rule::Quorum {
         // An identity published now whose report recurs in the new batches
         // is consumed with this publication (same segment): the queue would
         // not be the new batch whole.
-        seen.extend((0..pending.len()).map(|i| pending.identity(i)));
-        if (0..next.len()).any(|i| seen.contains(&next.identity(i))) {
+        let published: IdentitySet = (0..pending.len()).map(|i| pending.identity(i)).collect();
+        if (0..next.len()).any(|i| published.contains(&next.identity(i))) {
             return None;
         }
-        seen.clear();
     }
-    // The batches every rank reported the held events in, in rank order:
-    // each event is taken from the first that carries its bytes.
+    // The batches every rank reported the held events in, in rank order.
     let batches: Vec<Arc<Batch>> = (0..w)
         .map(|r| match m.held[r] {
             Some(h) => m.slots.arc(h.slot),
             None => m.incoming[r].clone().expect("checked above"),
         })
         .collect();
-    let picks = (0..pending.len())
-        .filter(|&i| !quorum || seen.insert(pending.identity(i)))
-        .map(|i| {
-            let carrier = batches.iter().find(|b| b.carries(i)).unwrap_or(&batches[0]);
-            (carrier.clone(), i as u32)
-        })
-        .collect();
+    let out = fast::carried(
+        &batches.iter().collect::<Vec<_>>(),
+        fast::published(m.cfg.carriers.rule, &pending),
+    );
     let n = pending.len() as u64;
     for &r in &held {
         let h = m.held[r].take().expect("held");
@@ -144,7 +138,7 @@ fn complete(m: &mut Merger) -> Option<Published> {
             m.hold_batch(r, batch);
         }
     }
-    Some(Published::new(picks))
+    Some(out)
 }
 
 /// A batch that can wait whole: no clear (one segment, with no fence: its
