@@ -91,7 +91,7 @@ impl Carriers {
     }
 
     /// The fewest distinct ranks whose reports can publish this event.
-    fn min_reporters(&self, kind: EventKind, group: Option<i64>) -> usize {
+    pub(crate) fn min_reporters(&self, kind: EventKind, group: Option<i64>) -> usize {
         let w = self.world_size;
         match self.rule {
             Rule::Any => 1,

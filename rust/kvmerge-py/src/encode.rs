@@ -97,7 +97,7 @@ fn write_all(list: &Bound<'_, PyList>, s: &Schema) -> PyResult<(Vec<u8>, Vec<Wri
             Some(info) => info,
             None => {
                 out.truncate(start);
-                by_msgspec(index, &ev, s, &mut out)?
+                by_msgspec(index, &ev, s.event_types.bind(py), encoder, &mut out)?
             }
         };
         written.push(Written {
@@ -112,11 +112,11 @@ fn write_all(list: &Bound<'_, PyList>, s: &Schema) -> PyResult<(Vec<u8>, Vec<Wri
 fn by_msgspec(
     index: usize,
     ev: &Bound<'_, PyAny>,
-    s: &Schema,
+    types: &Bound<'_, PyTuple>,
+    encoder: &Bound<'_, PyAny>,
     out: &mut Vec<u8>,
 ) -> PyResult<EventInfo> {
     let py = ev.py();
-    let types = s.event_types.bind(py);
     let ty = ev.get_type();
     let kind = match types.iter().position(|t| t.is(&ty)) {
         Some(kind) => kind,
@@ -124,22 +124,18 @@ fn by_msgspec(
             .map_err(|why| invalid_event(py, format!("event {index}: {why}")))?,
     };
     check_containers(ev, kind).map_err(|why| invalid_event(py, format!("event {index}: {why}")))?;
-    let bytes = s
-        .encoder
-        .bind(py)
-        .call_method1("encode", (ev,))
-        .map_err(|e| {
-            // msgspec's refusals (unsupported types, ints beyond 64 bits,
-            // recursion) are bad events; KeyboardInterrupt and the like are not.
-            if e.is_instance_of::<PyException>(py) {
-                invalid_event(
-                    py,
-                    format!("event {index}: does not encode: {}", e.value(py)),
-                )
-            } else {
-                e
-            }
-        })?;
+    let bytes = encoder.call_method1("encode", (ev,)).map_err(|e| {
+        // msgspec's refusals (unsupported types, ints beyond 64 bits,
+        // recursion) are bad events; KeyboardInterrupt and the like are not.
+        if e.is_instance_of::<PyException>(py) {
+            invalid_event(
+                py,
+                format!("event {index}: does not encode: {}", e.value(py)),
+            )
+        } else {
+            e
+        }
+    })?;
     let bytes = bytes.cast::<PyBytes>()?.as_bytes();
     let info = schema::read_event(&mut Reader::new(bytes))
         .map_err(|reason| PyKvError::from(Error::InvalidEvent { index, reason }))?;

@@ -146,10 +146,10 @@ fn complete(m: &mut Merger) -> Option<Published> {
 /// under "quorum" every report needs every rank (else one could complete
 /// without the late ranks).
 fn holdable(m: &Merger, batch: &Batch) -> bool {
-    let w = m.cfg.carriers.world_size as u64;
+    let carriers = &m.cfg.carriers;
     (0..batch.len()).all(|i| {
-        batch.kind(i) != EventKind::AllBlocksCleared
-            && (m.cfg.carriers.rule != Rule::Quorum
-                || w.div_ceil(m.factor_of(batch, i) as u64) == w)
+        let rec = batch.record(i);
+        rec.kind != EventKind::AllBlocksCleared
+            && carriers.min_reporters(rec.kind, rec.group_idx) == carriers.world_size
     })
 }
