@@ -20,6 +20,7 @@ __all__ = [
     "RankError",
     "_borrow_buffers",
     "_layout",
+    "_merge_children",
     "encode",
 ]
 
@@ -196,6 +197,24 @@ def _borrow_buffers(enter: bool) -> None:
 def _layout() -> str | None:
     """How `encode` reads lists and ints: in place as `"sized"` (CPython
     3.11) or `"tagged"` (3.12 to 3.14), None through the stable ABI."""
+
+def _merge_children(
+    outputs: Sequence[Any],
+    plans: Sequence[
+        tuple[int, str, tuple[int, ...] | None, Merger, _EventClass | None] | None
+    ],
+) -> list[tuple[list[msgspec.Raw], list[_Event] | None] | None]:
+    """`KVMergeMultiConnector`'s step for its children in the common case.
+
+    Per plan (a child's position in each output, its family, replication
+    factors, merger, and the kind of events its hook reads), when every
+    output (a checked `WorkerOutput`) holds a valid batch of that family for
+    the child (reporting no factors or these) or nothing: adds them all and
+    finishes the step, giving its events as `finish_step_raw` does and those
+    of the kind decoded (None when no kind is given). None for a plan that is
+    None, for a child with anything else in an output, and for one whose
+    merger refuses the batches (left unchanged): the caller merges those
+    itself."""
 
 def encode(
     events: Sequence[_Event],

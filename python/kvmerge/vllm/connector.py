@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 from vllm.distributed.kv_events import BlockRemoved, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 
 import kvmerge
 from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError, Rule
+from kvmerge._kvmerge import _merge_children
 
 from .alias import MODULE_PATH, UPSTREAM_NAME
 from .config import (
@@ -84,6 +85,21 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 _EMPTY: EventBatch | None = None
+
+#: The kind of event a child's scheduler hook (``invalidate_kv_events``)
+#: reads: it drops its own pending events of the blocks workers removed.
+_HOOK_KIND: Final = "BlockRemoved"
+
+#: ``_merge_children``'s view of one child (``_Child.plan``): its position in
+#: the outputs, its family, replication factors and merger, and the kind of
+#: events to return decoded for its hook, if any.
+_Plan: TypeAlias = tuple[
+    int,
+    str,
+    "tuple[int, ...] | None",
+    "kvmerge.Merger",
+    "Literal['BlockRemoved'] | None",
+]
 
 
 def _empty_batch() -> EventBatch:
@@ -348,25 +364,39 @@ class _Child:
                 except KVMergeError as e:
                     refusals.refuse(self, rank, self._explain(e))
         try:
-            if self.invalidate is not None and not self.objects:
-                # The hook only reads removals: decode those alone.
-                raw, removed = merger.finish_step_raw_and_decode("BlockRemoved")
-                if removed:
-                    self.invalidate(removed)
-                self.out.extend(raw)
-            elif self.invalidate is not None:
+            if self.objects:
                 events = merger.finish_step()
-                removed = [e for e in events if isinstance(e, BlockRemoved)]
-                if removed:
-                    self.invalidate(removed)
+                if self.invalidate is not None:
+                    removed = [e for e in events if isinstance(e, BlockRemoved)]
+                    if removed:
+                        self.invalidate(removed)
                 self.out.extend(events)
-            elif self.objects:
-                self.out.extend(merger.finish_step())
+            elif self.invalidate is not None:
+                # The hook only reads removals: decode those alone.
+                self.publish(*merger.finish_step_raw_and_decode(_HOOK_KIND))
             else:
                 self.out.extend(merger.finish_step_raw())
         except KVMergeError as e:
             refusals.lost(self, merger.step, self._explain(e))
         return None
+
+    def plan(self) -> _Plan | None:
+        """What ``_merge_children`` needs to merge this child's step without
+        Python, once its mode, family and merger are fixed and its events
+        leave as views; None until then (``step`` merges it)."""
+        merger, family = self.merger, self.family
+        if merger is None or family is None or self.mode != "merge" or self.objects:
+            return None
+        if self.invalidate is None:
+            return (self.spec.index, family, self.factors, merger, None)
+        return (self.spec.index, family, self.factors, merger, _HOOK_KIND)
+
+    def publish(self, raws: list[Any], removed: list[Any] | None) -> None:
+        """A finished step's events (as views), and those of ``_HOOK_KIND``
+        decoded when this child has a hook that reads them."""
+        if removed and self.invalidate is not None:
+            self.invalidate(removed)
+        self.out.extend(raws)
 
     def _explain(self, e: KVMergeError) -> str:
         if isinstance(e, GroupError):
@@ -629,7 +659,18 @@ class KVMergeMultiConnector(MultiConnector):
         if expired_before is None:
             expired_before = self._expired()
         refusals = self._refusals
-        native = [child.step(ordered, refusals) for child in self._children]
+        children = self._children
+        # Children in the common case are merged in one call; the others
+        # (and any the call could not merge: the merger is then unchanged)
+        # by their own step, which explains and counts what it drops.
+        merged = _merge_children(ordered, [child.plan() for child in children])
+        native: list[Any] = []
+        for child, result in zip(children, merged, strict=True):
+            if result is None:
+                native.append(child.step(ordered, refusals))
+            else:
+                child.publish(*result)
+                native.append(None)
         refusals.end_step()
         expired = self._expired_total = self._expired()
         self._incidents.observe(self._steps, set(by_rank), expired - expired_before)

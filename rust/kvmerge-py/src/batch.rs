@@ -37,6 +37,27 @@ unsafe impl Backing for Borrowed {
     }
 }
 
+/// An exact `bytes` (what unpickling makes of a batch sent in-band), read in
+/// place: immutable for its lifetime, so no buffer export is needed, which
+/// cost an allocation and a release per batch at decode-size steps.
+struct HeldBytes {
+    _bytes: Py<PyBytes>,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: `ptr` points into the `bytes` object held, which never changes nor
+// moves while referenced; the reference is dropped (or queued, without the
+// GIL) only with the batch.
+unsafe impl Send for HeldBytes {}
+unsafe impl Sync for HeldBytes {}
+
+unsafe impl Backing for HeldBytes {
+    fn bytes(&self) -> &[u8] {
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
 /// `pickle.PickleBuffer`, the type itself (looked up once).
 fn pickle_buffer_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
     static CELL: pyo3::sync::PyOnceLock<Py<PyType>> = pyo3::sync::PyOnceLock::new();
@@ -138,6 +159,11 @@ impl PyEventBatch {
         }
     }
 
+    /// The batch, unless it was unpickled from bad bytes.
+    pub(crate) fn valid(&self) -> Option<&Arc<Batch>> {
+        self.error.is_none().then_some(&self.inner)
+    }
+
     /// The batch, or the `CorruptBatchError` it was unpickled with.
     pub(crate) fn batch(&self, py: Python<'_>) -> PyResult<&Arc<Batch>> {
         match &self.error {
@@ -155,6 +181,17 @@ impl PyEventBatch {
                 None => Ok(PyEventBatch::new(b.inner.clone())),
                 Some(message) => Err(Refusal::Corrupt(message.clone())),
             };
+        }
+        if let Ok(bytes) = buffer.cast_exact::<PyBytes>() {
+            let data = bytes.as_bytes();
+            return Self::validated(
+                py,
+                Box::new(HeldBytes {
+                    ptr: data.as_ptr(),
+                    len: data.len(),
+                    _bytes: bytes.clone().unbind(),
+                }),
+            );
         }
         // Not bytes-like at all: a wrong argument type, as for memoryview().
         let buf = PyUntypedBuffer::get(buffer).map_err(|_| {
@@ -179,6 +216,10 @@ impl PyEventBatch {
                 unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
             Box::new(bytes.to_vec())
         };
+        Self::validated(py, backing)
+    }
+
+    fn validated(py: Python<'_>, backing: Box<dyn Backing>) -> Result<Self, Refusal> {
         let small = is_small(backing.bytes().len() as u64, 0);
         let batch = without_gil_unless(py, small, || Batch::from_backing(backing))
             .map_err(|e| Refusal::Corrupt(e.to_string()))?;

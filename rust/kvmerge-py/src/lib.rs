@@ -12,6 +12,7 @@ mod layout;
 mod merger;
 mod raw;
 mod schema;
+mod step;
 mod write;
 
 use pyo3::prelude::*;
@@ -35,5 +36,6 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode::encode, m)?)?;
     m.add_function(wrap_pyfunction!(batch::_borrow_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(layout::_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(step::_merge_children, m)?)?;
     Ok(())
 }

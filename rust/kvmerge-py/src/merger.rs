@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex, TryLockError};
 
 use kvmerge_core::merge::Published;
-use kvmerge_core::{Batch, Merger, Stats, DEFAULT_MAX_PENDING_STEPS};
+use kvmerge_core::{Batch, EventKind, Merger, Stats, DEFAULT_MAX_PENDING_STEPS};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -36,7 +36,12 @@ impl PyMerger {
     /// released. Never waits for the lock with the GIL held: a call holding
     /// the lock without the GIL may need the GIL to finish (dropping the last
     /// reference to a borrowed Python buffer).
-    fn run<T, F>(&self, py: Python<'_>, small: impl FnOnce(&Merger) -> bool, f: F) -> PyResult<T>
+    pub(crate) fn run<T, F>(
+        &self,
+        py: Python<'_>,
+        small: impl FnOnce(&Merger) -> bool,
+        f: F,
+    ) -> PyResult<T>
     where
         F: Send + FnOnce(&mut Merger) -> kvmerge_core::Result<T>,
         T: Send,
@@ -176,20 +181,8 @@ impl PyMerger {
     ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>)> {
         let kind = kind_arg(kind, "finish_step_raw_and_decode")?;
         let published = self.finish_published(py)?;
-        let raws = raw_list(py, published.iter())?;
-        let picks: Vec<(&Batch, usize)> = published
-            .iter()
-            .filter(|(b, i)| b.kind(*i) == kind)
-            .map(|(b, i)| (&**b, i))
-            .collect();
-        if picks.is_empty() {
-            // The usual step: no decoder call for nothing.
-            return Ok((raws, PyList::empty(py).into_any()));
-        }
-        // A part of the step's output, which fits one batch: never refused.
-        let picked = Batch::try_gather(picks.iter().copied()).map_err(PyKvError::from)?;
-        let picked = Bound::new(py, PyEventBatch::new(Arc::new(picked)))?;
-        Ok((raws, PyEventBatch::decode(&picked)?))
+        let (raws, decoded) = raw_and_decoded(py, &published, Some(kind))?;
+        Ok((raws, decoded))
     }
 
     fn finish_step_batch(&self, py: Python<'_>) -> PyResult<PyEventBatch> {
@@ -215,6 +208,32 @@ impl PyMerger {
             m.step()
         )
     }
+}
+
+/// The step's events as views (`raw_list`), and those of `kind` decoded
+/// as well (None when no kind is asked for; an empty list, without a decoder
+/// call, when the step has none).
+pub(crate) fn raw_and_decoded<'py>(
+    py: Python<'py>,
+    published: &Published,
+    kind: Option<EventKind>,
+) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>)> {
+    let raws = raw_list(py, published.iter())?;
+    let Some(kind) = kind else {
+        return Ok((raws, py.None().into_bound(py)));
+    };
+    let picks: Vec<(&Batch, usize)> = published
+        .iter()
+        .filter(|(b, i)| b.kind(*i) == kind)
+        .map(|(b, i)| (&**b, i))
+        .collect();
+    if picks.is_empty() {
+        return Ok((raws, PyList::empty(py).into_any()));
+    }
+    // A part of the step's output, which fits one batch: never refused.
+    let picked = Batch::try_gather(picks.iter().copied()).map_err(PyKvError::from)?;
+    let picked = Bound::new(py, PyEventBatch::new(Arc::new(picked)))?;
+    Ok((raws, PyEventBatch::decode(&picked)?))
 }
 
 #[pyclass(module = "kvmerge", frozen, name = "MergerStats")]

@@ -30,18 +30,25 @@ pub(super) fn finish(m: &mut Merger) -> Published {
         return Published::whole(&last);
     }
     let batches: Vec<&Arc<Batch>> = m.incoming.iter().flatten().collect();
-    carried(&batches, published(m.cfg.carriers.rule, &last))
+    let rule = m.cfg.carriers.rule;
+    carried(&batches, published(rule, &last, &mut m.scratch))
 }
 
 /// The indices of the events of a sequence every rank reported alike that
 /// the rule publishes: every one under "all"; under "quorum" each
-/// identity's first in its segment (between clears).
-pub(super) fn published(rule: Rule, batch: &Batch) -> Vec<usize> {
+/// identity's first in its segment (between clears). `seen` is the
+/// merger's scratch set (left empty): a set grown from nothing each step
+/// was most of this pass's cost at decode-size steps. A set a far larger
+/// step left behind is shrunk first, since clearing it costs its capacity.
+pub(super) fn published(rule: Rule, batch: &Batch, seen: &mut IdentitySet) -> Vec<usize> {
     match rule {
         Rule::All => (0..batch.len()).collect(),
         Rule::Quorum => {
-            let mut seen = IdentitySet::default();
-            (0..batch.len())
+            seen.clear();
+            if seen.capacity() > 8 * batch.len() + 1024 {
+                seen.shrink_to(batch.len());
+            }
+            let out = (0..batch.len())
                 .filter(|&i| {
                     if batch.kind(i) == EventKind::AllBlocksCleared {
                         seen.clear();
@@ -50,7 +57,9 @@ pub(super) fn published(rule: Rule, batch: &Batch) -> Vec<usize> {
                         seen.insert(batch.identity(i))
                     }
                 })
-                .collect()
+                .collect();
+            seen.clear();
+            out
         }
         Rule::Any => unreachable!("rule \"any\" has its own pass"),
     }

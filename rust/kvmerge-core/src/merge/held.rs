@@ -121,9 +121,10 @@ fn complete(m: &mut Merger) -> Option<Published> {
             None => m.incoming[r].clone().expect("checked above"),
         })
         .collect();
+    let rule = m.cfg.carriers.rule;
     let out = fast::carried(
         &batches.iter().collect::<Vec<_>>(),
-        fast::published(m.cfg.carriers.rule, &pending),
+        fast::published(rule, &pending, &mut m.scratch),
     );
     let n = pending.len() as u64;
     for &r in &held {

@@ -1,0 +1,163 @@
+"""The scheduler merges its children in the common case with one call
+(``_merge_children``); anything else goes through each child's own step.
+
+Hypothesis draws steps of real worker outputs (through the shm pickling and
+vLLM's aggregator), some with one rank's batch for one child tampered with
+(damaged, of another family, other replication factors, missing, or other
+events), and hands each step to two scheduler connectors: the real one, and
+one whose children always take their own step. What they publish, what their
+scheduler hooks are fed, their counters and their refusals must be the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.vllm_harness import Cluster, child, removed, stored
+from test_step_path_hostile import damaged_batch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.outputs import KVConnectorOutput
+
+import kvmerge
+from kvmerge.sim.model import create_connector
+from kvmerge.vllm import KVMergeKVEvents, register
+from kvmerge.vllm import connector as connector_module
+from kvmerge.vllm.container import WorkerOutput, _from_wire
+
+pytestmark = pytest.mark.vllm
+
+TP = 2
+CHILDREN = [
+    child("UMBPChild", kv_events_merge="any"),
+    child("LMCacheChild"),
+    child("MooncakeChild", test_factors=[2]),
+]
+
+stores = st.lists(st.integers(1, 6).map(stored), max_size=4)
+mixed = st.lists(
+    st.one_of(st.integers(1, 6).map(stored), st.integers(1, 6).map(removed)),
+    max_size=4,
+)
+#: Per child (config order): what each rank's child reports in a step.
+child_events = st.tuples(mixed, stores, mixed)
+tampering = st.sampled_from(
+    ["damaged", "family", "factors", "true factor", "nothing", "other events"]
+)
+steps = st.lists(
+    st.tuples(
+        child_events,
+        # Most steps have every rank report alike, the common case.
+        st.one_of(st.just(None), child_events),
+        st.one_of(
+            st.just(None),
+            st.tuples(st.integers(0, TP - 1), st.integers(0, 2), tampering),
+        ),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+def tampered(output: WorkerOutput, index: int, how: str) -> WorkerOutput:
+    families, entries, factors = (
+        list(output.families),
+        list(output.entries),
+        list(output.factors),
+    )
+    if how == "damaged":
+        entries[index] = damaged_batch()
+    elif how == "family":
+        families[index] = "lmcache" if families[index] != "lmcache" else "umbp"
+    elif how == "factors":
+        factors[index] = (3,)
+    elif how == "true factor":
+        factors[index] = (True,)
+    elif how == "nothing":
+        families[index], entries[index], factors[index] = None, None, None
+    else:
+        entries[index] = kvmerge.encode([stored(99)])
+    return _from_wire(
+        output.rank,
+        tuple(families),
+        tuple(entries),
+        tuple(factors),
+        output.seq,
+        output.settings,
+    )
+
+
+def observed(scheduler: Any, published: list[bytes]) -> dict[str, Any]:
+    hooks = [
+        [bytes(kvmerge.encode([e])) for e in c.connector_scheduler.invalidated]
+        for c in scheduler.sub_connectors
+        if hasattr(c, "connector_scheduler")
+    ]
+    return {
+        "published": published,
+        "hooks": hooks,
+        "stats": scheduler.merge_stats(),
+        "refused": [c.refused for c in scheduler._children],
+        "lost": scheduler.lost_outputs,
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=steps)
+def test_the_one_call_step_merges_as_each_childs_own_step(bus, steps):
+    register()
+    c = Cluster(CHILDREN, bus, tp=TP)
+    own_steps = create_connector(c.cfg, KVConnectorRole.SCHEDULER)
+    for ch in own_steps._children:
+        ch.plan = lambda: None
+    published: dict[int, list[bytes]] = {id(c.scheduler): [], id(own_steps): []}
+    for events, other, tamper in steps:
+        for rank in range(TP):
+            reported = other if other is not None and rank == TP - 1 else events
+            for index, child_reports in enumerate(reported):
+                c.emit(rank, index, child_reports)
+        outputs = list(c.aggregate().kv_connector_output.kv_cache_events.outputs)
+        if tamper is not None:
+            rank, index, how = tamper
+            outputs[rank] = tampered(outputs[rank], index, how)
+        for scheduler in (c.scheduler, own_steps):
+            container = KVMergeKVEvents(outputs, num_workers=TP)
+            scheduler.update_connector_output(
+                KVConnectorOutput(kv_cache_events=container)
+            )
+            published[id(scheduler)] += [bytes(e) for e in scheduler.take_events()]
+    assert observed(c.scheduler, published[id(c.scheduler)]) == observed(
+        own_steps, published[id(own_steps)]
+    )
+
+
+def test_the_common_step_is_one_call(bus, monkeypatch):
+    """Once every child's family and merger are known, a step of well-formed
+    outputs takes no child's own step (the test above would pass if the one
+    call never merged anything)."""
+    register()
+    c = Cluster(CHILDREN, bus, tp=TP)
+    own: list[int] = []
+    step = connector_module._Child.step
+
+    def counted(self: Any, *args: Any) -> Any:
+        own.append(self.spec.index)
+        return step(self, *args)
+
+    monkeypatch.setattr(connector_module._Child, "step", counted)
+    for rank in range(TP):
+        for index in range(3):
+            c.emit(rank, index, [stored(1)])
+    assert c.step() == [stored(1)] * 3
+    assert sorted(own) == [0, 1, 2]  # the first step resolves each child
+    own.clear()
+    for h in range(2, 6):
+        for rank in range(TP):
+            for index in range(3):
+                c.emit(rank, index, [stored(h), removed(h - 1)] if index != 1 else [])
+        assert c.step() == [stored(h), removed(h - 1)] * 2
+    assert own == []
+    hook = c.children("scheduler")[0].connector_scheduler
+    assert hook.invalidated == [removed(h) for h in range(1, 5)]
