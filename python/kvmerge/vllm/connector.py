@@ -673,7 +673,7 @@ class KVMergeMultiConnector(MultiConnector):
                 native.append(None)
         refusals.end_step()
         expired = self._expired_total = self._expired()
-        self._incidents.observe(self._steps, set(by_rank), expired - expired_before)
+        self._incidents.observe(self._steps, by_rank.keys(), expired - expired_before)
         self._steps += 1
         return native
 

@@ -9,6 +9,8 @@ it lasts, one line when it is over.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from .log import get_logger
 
 logger = get_logger(__name__)
@@ -27,8 +29,12 @@ class Incidents:
         self.clean = 0
         self.count = 0
 
-    def observe(self, step: int, reported: set[int], expired: int) -> None:
-        missing = set(range(self.world_size)) - reported
+    def observe(self, step: int, reported: Collection[int], expired: int) -> None:
+        """One step: the ranks whose outputs it merged (distinct, in the
+        world), and how many pending reports expired in it."""
+        if not expired and len(reported) == self.world_size and self.start is None:
+            return  # every step of a healthy engine
+        missing = set(range(self.world_size)).difference(reported)
         if missing or expired:
             if self.start is None:
                 self.start, self.missing, self.expired = step, set(), 0
