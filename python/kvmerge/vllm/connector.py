@@ -286,19 +286,6 @@ class _Child:
             )
         return None
 
-    def _known_factors(self, factors: Any) -> bool:
-        """``factors`` (not None) are the ones this child merges with, as
-        positive ints: what ``child_problem`` and ``_resolve`` would accept
-        without a look at anything else."""
-        # (True,) == (1,): equal is not enough. The types are checked in C
-        # (``map``): a generator here was 32 of the 324 Python calls of a
-        # decode-size step (TP 8, three children).
-        return (
-            type(factors) is tuple
-            and factors == self.factors
-            and set(map(type, factors)) == {int}
-        )
-
     def step(self, outputs: Sequence[WorkerOutput], refusals: Refusals) -> Any:
         """One aggregated step of this child, from the (checked, rank-ordered)
         worker outputs; returns this child's native container, if any.
@@ -308,38 +295,23 @@ class _Child:
         carry bytes it must carry) is dropped and counted (``refused``); the
         other ranks' batches merge as if it had not been sent.
 
-        Once this child's mode, family and merger are fixed, a valid batch of
-        that family (with no factors, or this child's own) is taken as it is:
-        everything ``child_problem`` and ``_resolve`` check holds for it.
+        The common case, once this child's mode, family and merger are fixed,
+        does not come here: ``_merge_children`` merges it, and hands over
+        any step it cannot take as it is.
         """
         index = self.spec.index
         empty = _empty_batch()
-        merging = self.mode == "merge" and self.merger is not None
-        known = self.family
         batches: list[tuple[int, Any]] = []
         present: list[Any] = []
         for output in outputs:
             family = output.families[index]
             entry = output.entries[index]
-            if (
-                merging
-                and type(entry) is EventBatch
-                and type(family) is str
-                and family == known
-                and entry.error is None
-            ):
-                factors = output.factors[index]
-                if factors is None or self._known_factors(factors):
-                    batches.append((output.rank, entry))
-                    continue
-            elif family is None and entry is None:
+            if family is None and entry is None:
                 batches.append((output.rank, empty))
                 continue
             why = output.child_problem(index)
             if why is None and family is not None:
                 why = self._resolve(family=family, reported=output.factors[index])
-                merging = self.mode == "merge" and self.merger is not None
-                known = self.family
             if why is not None:
                 refusals.refuse(self, output.rank, why)
                 batches.append((output.rank, empty))
