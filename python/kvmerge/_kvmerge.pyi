@@ -203,7 +203,7 @@ def _merge_children(
     plans: Sequence[
         tuple[int, str, tuple[int, ...] | None, Merger, _EventClass | None] | None
     ],
-) -> list[tuple[list[msgspec.Raw], list[_Event] | None] | None]:
+) -> list[tuple[list[msgspec.Raw], list[_Event] | None] | KVMergeError | None]:
     """`KVMergeMultiConnector`'s step for its children in the common case.
 
     Per plan (a child's position in each output, its family, replication
@@ -211,10 +211,11 @@ def _merge_children(
     output (a checked `WorkerOutput`) holds a valid batch of that family for
     the child (reporting no factors or these) or nothing: adds them all and
     finishes the step, giving its events as `finish_step_raw` does and those
-    of the kind decoded (None when no kind is given). None for a plan that is
-    None, for a child with anything else in an output, and for one whose
-    merger refuses the batches (left unchanged): the caller merges those
-    itself."""
+    of the kind decoded (None when no kind is given), or, when those do not
+    decode, the `CorruptBatchError` that lost the step's events (returned,
+    not raised). None for a plan that is None, for a child with anything
+    else in an output, and for one whose merger refuses the batches (left
+    unchanged): the caller merges those itself."""
 
 def encode(
     events: Sequence[_Event],

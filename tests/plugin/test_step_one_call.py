@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
 
 import kvmerge
+from kvmerge import _schema
 from kvmerge.sim.model import create_connector
 from kvmerge.vllm import KVMergeKVEvents, register
 from kvmerge.vllm import connector as connector_module
@@ -161,3 +163,50 @@ def test_the_common_step_is_one_call(bus, monkeypatch):
     assert own == []
     hook = c.children("scheduler")[0].connector_scheduler
     assert hook.invalidated == [removed(h) for h in range(1, 5)]
+
+
+class _Forged:
+    """A decoder that fails as msgspec does on bytes that are not an event:
+    what a forged removal (a worker that rewrote a batch and its checksum)
+    makes of the hook's decode; such a batch passes every structural check."""
+
+    def decode(self, payload: Any) -> Any:
+        raise msgspec.DecodeError("forged")
+
+
+def test_a_hook_removal_that_does_not_decode_loses_the_step_not_the_engine(
+    bus, monkeypatch
+):
+    register()
+    c = Cluster(CHILDREN, bus, tp=TP)
+    own_steps = create_connector(c.cfg, KVConnectorRole.SCHEDULER)
+    for ch in own_steps._children:
+        ch.plan = lambda: None
+    published: dict[int, list[list[bytes]]] = {id(c.scheduler): [], id(own_steps): []}
+    for h in (1, 2):
+        for rank in range(TP):
+            for index in range(3):
+                c.emit(rank, index, [stored(h)] + ([removed(h - 1)] if h > 1 else []))
+        outputs = c.aggregate().kv_connector_output.kv_cache_events.outputs
+        with monkeypatch.context() as m:
+            if h == 2:
+                m.setattr(_schema, "_DECODER", _Forged())
+            for scheduler in (c.scheduler, own_steps):
+                scheduler.update_connector_output(
+                    KVConnectorOutput(
+                        kv_cache_events=KVMergeKVEvents(outputs, num_workers=TP)
+                    )
+                )
+                published[id(scheduler)].append(
+                    [bytes(e) for e in scheduler.take_events()]
+                )
+    for scheduler in (c.scheduler, own_steps):
+        # The hooks' children (UMBP's and Mooncake's) lost step 2; the other
+        # child's events went out.
+        assert [ch.refused for ch in scheduler._children] == [1, 0, 1]
+        assert published[id(scheduler)][1] == [
+            bytes(kvmerge.encode([e]).raw()[0]) for e in (stored(2), removed(1))
+        ]
+    assert observed(c.scheduler, published[id(c.scheduler)][1]) == observed(
+        own_steps, published[id(own_steps)][1]
+    )

@@ -349,8 +349,13 @@ class _Child:
             else:
                 self.out.extend(merger.finish_step_raw())
         except KVMergeError as e:
-            refusals.lost(self, merger.step, self._explain(e))
+            self.lose(merger, e, refusals)
         return None
+
+    def lose(self, merger: kvmerge.Merger, e: KVMergeError, refusals: Refusals) -> None:
+        """A step ``merger`` merged, but whose events could not be given out
+        (a removal for the hook that does not decode): counted and logged."""
+        refusals.lost(self, merger.step, self._explain(e))
 
     def plan(self) -> _Plan | None:
         """What ``_merge_children`` needs to merge this child's step without
@@ -635,14 +640,19 @@ class KVMergeMultiConnector(MultiConnector):
         # Children in the common case are merged in one call; the others
         # (and any the call could not merge: the merger is then unchanged)
         # by their own step, which explains and counts what it drops.
-        merged = _merge_children(ordered, [child.plan() for child in children])
+        plans = [child.plan() for child in children]
         native: list[Any] = []
-        for child, result in zip(children, merged, strict=True):
-            if result is None:
+        for child, plan, result in zip(
+            children, plans, _merge_children(ordered, plans), strict=True
+        ):
+            if plan is None or result is None:
                 native.append(child.step(ordered, refusals))
+                continue
+            if isinstance(result, KVMergeError):
+                child.lose(plan[3], result, refusals)
             else:
                 child.publish(*result)
-                native.append(None)
+            native.append(None)
         refusals.end_step()
         expired = self._expired_total = self._expired()
         self._incidents.observe(self._steps, by_rank.keys(), expired - expired_before)

@@ -20,6 +20,7 @@ use pyo3::types::{PyInt, PyList, PyString, PyTuple};
 
 use crate::batch::PyEventBatch;
 use crate::convert::kind_arg;
+use crate::errors::KVMergeError;
 use crate::gil::is_small;
 use crate::merger::{raw_and_decoded, PyMerger};
 
@@ -101,7 +102,8 @@ fn same_factors(reported: &Bound<'_, PyAny>, known: Option<&[i64]>) -> bool {
         })
 }
 
-/// Adds every rank's batch of one child and finishes its step; None (the
+/// Adds every rank's batch of one child and finishes its step: its events
+/// and the hook's decoded, or the `KVMergeError` that lost them; None (the
 /// merger unchanged) when a batch is not of the common shape or the merger
 /// refuses them.
 fn merge_child<'py>(
@@ -109,7 +111,7 @@ fn merge_child<'py>(
     outputs: &[Output<'py>],
     plan: &Plan<'py>,
     empty: &Arc<Batch>,
-) -> PyResult<Option<Bound<'py, PyTuple>>> {
+) -> PyResult<Option<Bound<'py, PyAny>>> {
     let Some(batches) = outputs
         .iter()
         .map(|o| Some((o.rank, o.batch(plan, empty)?)))
@@ -135,8 +137,18 @@ fn merge_child<'py>(
         .as_deref()
         .map(|k| kind_arg(k, "_merge_children"))
         .transpose()?;
-    let (raws, decoded) = raw_and_decoded(py, &published, kind)?;
-    Ok(Some(PyTuple::new(py, [raws.into_any(), decoded])?))
+    match raw_and_decoded(py, &published, kind) {
+        Ok((raws, decoded)) => Ok(Some(
+            PyTuple::new(py, [raws.into_any(), decoded])?.into_any(),
+        )),
+        // Merged, but the hook's events do not decode (a forged removal):
+        // the step's output is lost, which the caller counts and logs. On
+        // vLLM's step path, not an exception.
+        Err(e) if e.is_instance_of::<KVMergeError>(py) => {
+            Ok(Some(e.into_value(py).into_bound(py).into_any()))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 // The connector's step for its children in the common case; docs in
@@ -154,9 +166,7 @@ pub fn _merge_children<'py>(
     let results = plans
         .iter()
         .map(|plan| match (plan, &outputs) {
-            (Some(plan), Some(outputs)) => {
-                Ok(merge_child(py, outputs, plan, empty)?.map(Bound::into_any))
-            }
+            (Some(plan), Some(outputs)) => merge_child(py, outputs, plan, empty),
             _ => Ok(None),
         })
         .collect::<PyResult<Vec<_>>>()?;
