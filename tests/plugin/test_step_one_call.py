@@ -91,6 +91,17 @@ def tampered(output: WorkerOutput, index: int, how: str) -> WorkerOutput:
     )
 
 
+def cluster_and_own_steps(bus: Any) -> tuple[Cluster, Any]:
+    """A cluster, and a second scheduler connector of its config whose
+    children always take their own step."""
+    register()
+    c = Cluster(CHILDREN, bus, tp=TP)
+    own_steps = create_connector(c.cfg, KVConnectorRole.SCHEDULER)
+    for ch in own_steps._children:
+        ch.plan = lambda: None
+    return c, own_steps
+
+
 def observed(scheduler: Any, published: list[bytes]) -> dict[str, Any]:
     hooks = [
         [bytes(kvmerge.encode([e])) for e in c.connector_scheduler.invalidated]
@@ -109,11 +120,7 @@ def observed(scheduler: Any, published: list[bytes]) -> dict[str, Any]:
 @settings(max_examples=60, deadline=None)
 @given(steps=steps)
 def test_the_one_call_step_merges_as_each_childs_own_step(bus, steps):
-    register()
-    c = Cluster(CHILDREN, bus, tp=TP)
-    own_steps = create_connector(c.cfg, KVConnectorRole.SCHEDULER)
-    for ch in own_steps._children:
-        ch.plan = lambda: None
+    c, own_steps = cluster_and_own_steps(bus)
     published: dict[int, list[bytes]] = {id(c.scheduler): [], id(own_steps): []}
     for events, other, tamper in steps:
         for rank in range(TP):
@@ -177,11 +184,7 @@ class _Forged:
 def test_a_hook_removal_that_does_not_decode_loses_the_step_not_the_engine(
     bus, monkeypatch
 ):
-    register()
-    c = Cluster(CHILDREN, bus, tp=TP)
-    own_steps = create_connector(c.cfg, KVConnectorRole.SCHEDULER)
-    for ch in own_steps._children:
-        ch.plan = lambda: None
+    c, own_steps = cluster_and_own_steps(bus)
     published: dict[int, list[list[bytes]]] = {id(c.scheduler): [], id(own_steps): []}
     for h in (1, 2):
         for rank in range(TP):
