@@ -364,9 +364,10 @@ class _Child:
         merger, family = self.merger, self.family
         if merger is None or family is None or self.mode != "merge" or self.objects:
             return None
-        if self.invalidate is None:
-            return (self.spec.index, family, self.factors, merger, None)
-        return (self.spec.index, family, self.factors, merger, _HOOK_KIND)
+        kind: Literal["BlockRemoved"] | None = (
+            _HOOK_KIND if self.invalidate is not None else None
+        )
+        return (self.spec.index, family, self.factors, merger, kind)
 
     def publish(self, raws: list[Any], removed: list[Any] | None) -> None:
         """A finished step's events (as views), and those of ``_HOOK_KIND``

@@ -123,6 +123,12 @@ fn merge_child<'py>(
         (b + batch.carried_len() as u64, r + batch.len() as u64)
     });
     let (_, _, _, merger, kind) = plan;
+    // Checked before the step is finished, as `finish_step_raw_and_decode`
+    // does: a bad name must not cost the step's events.
+    let kind = kind
+        .as_deref()
+        .map(|k| kind_arg(k, "_merge_children"))
+        .transpose()?;
     let small = |m: &Merger| {
         let (bytes, reports) = m.load();
         is_small(bytes + incoming.0, reports + incoming.1)
@@ -133,10 +139,6 @@ fn merge_child<'py>(
     let Ok(published) = finished else {
         return Ok(None);
     };
-    let kind = kind
-        .as_deref()
-        .map(|k| kind_arg(k, "_merge_children"))
-        .transpose()?;
     match raw_and_decoded(py, &published, kind) {
         Ok((raws, decoded)) => Ok(Some(
             PyTuple::new(py, [raws.into_any(), decoded])?.into_any(),
