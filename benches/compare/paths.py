@@ -179,6 +179,31 @@ class PathA(Path):
         return result
 
 
+class Plumbing:
+    """vLLM's scheduler side with no KV events at all: per rank a
+    ``ModelRunnerOutput`` without a ``KVConnectorOutput``, the
+    ``KVOutputAggregator``, and upstream ``MultiConnector``'s
+    ``update_connector_output`` and ``take_events`` over the same children.
+    Any path that carries KV events pays at least this per step: the floor
+    under path B's scheduler side (``--profile``)."""
+
+    def __init__(self, world_size: int, families: Sequence[str]) -> None:
+        self.world_size = world_size
+        cfg = path_config("MultiConnector", world_size, tuple(families))
+        self.multi = _build(cfg, SCHEDULER)
+        self.aggregator = KVOutputAggregator.from_connector(self.multi, world_size)
+
+    def wires(self) -> list[Wire]:
+        return [enqueue(_wrap(None)) for _ in range(self.world_size)]
+
+    def scheduler(self, wires: Sequence[Wire]) -> list[Any]:
+        output = self.aggregator.aggregate([dequeue(w) for w in wires], output_rank=0)
+        kv_out = output.kv_connector_output if output is not None else None
+        if kv_out:
+            self.multi.update_connector_output(kv_out)
+        return list(self.multi.take_events())
+
+
 class PathB(Path):
     """kvmerge: ``KVMergeMultiConnector``."""
 

@@ -15,10 +15,12 @@ from pathlib import Path
 import msgspec
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
 import kvmerge
 from benches.compare import build_parser, grid_from_args, main, run_bench
 from benches.compare.check import ChildDiff
+from benches.compare.paths import Plumbing
 from benches.compare.runner import Case, run_case
 from benches.compare.workload import Workload, WorkloadConfig, preset
 from kvmerge.sim.transport import OOB_THRESHOLD, dequeue, enqueue
@@ -305,8 +307,28 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
         )
     assert {t["target"].split(":")[0] for t in doc["targets"]}
     assert "profile" in doc and doc["profile"]["scheduler"]["B"]["total"] > 0
+    assert doc["profile"]["scheduler"]["floor"]["total"] > 0
+    assert "vLLM alone (no KV events)" in text
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+def test_the_floor_carries_no_kv_events():
+    """``Plumbing`` is vLLM's scheduler side with nothing for a KV-event path
+    to add: each rank's message has no ``KVConnectorOutput``, upstream
+    ``MultiConnector`` hands its children an aggregated output without
+    events, and nothing is published."""
+    floor = Plumbing(2, ("lmcache", "mooncake"))
+    assert type(floor.multi) is MultiConnector
+    wires = floor.wires()
+    assert len(wires) == 2
+    assert all(dequeue(w).kv_connector_output is None for w in wires)
+    seen = []
+    child = floor.multi._connectors[0]
+    original = child.update_connector_output
+    child.update_connector_output = lambda out: (seen.append(out), original(out))
+    assert floor.scheduler(wires) == []
+    assert len(seen) == 1 and seen[0].kv_cache_events is None
 
 
 def test_the_wheel_has_no_bench():

@@ -36,6 +36,13 @@ def test_version_is_cargo_workspace_version():
     assert kvmerge.__version__ == importlib.metadata.version("kvmerge")
 
 
+def test_the_extension_allocates_with_mimalloc():
+    """The default build's allocator (rust/kvmerge-py, feature "mimalloc"):
+    a build without it still works, but pays glibc's malloc on the step
+    path (docs/benchmarks.md, "The allocator")."""
+    assert kvmerge._kvmerge._allocator == "mimalloc"  # type: ignore[attr-defined]
+
+
 def test_pyproject_takes_the_version_from_cargo():
     with open(ROOT / "pyproject.toml", "rb") as f:
         project = tomllib.load(f)["project"]
