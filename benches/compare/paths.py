@@ -110,6 +110,19 @@ def _wrap(container: Any) -> ModelRunnerOutput:
     return ModelRunnerOutput.with_kv_conn_output_only(out)
 
 
+def _scheduler_step(
+    aggregator: KVOutputAggregator, connector: Any, wires: Sequence[Wire]
+) -> list[Any]:
+    """vLLM's scheduler side of one step with one connector: every rank's
+    message unpickled, aggregated, handed to the connector, its events
+    drained."""
+    output = aggregator.aggregate([dequeue(w) for w in wires], output_rank=0)
+    kv_out = output.kv_connector_output if output is not None else None
+    if kv_out:
+        connector.update_connector_output(kv_out)
+    return list(connector.take_events())
+
+
 class Path:
     name = "?"
     label = "?"
@@ -197,11 +210,7 @@ class Plumbing:
         return [enqueue(_wrap(None)) for _ in range(self.world_size)]
 
     def scheduler(self, wires: Sequence[Wire]) -> list[Any]:
-        output = self.aggregator.aggregate([dequeue(w) for w in wires], output_rank=0)
-        kv_out = output.kv_connector_output if output is not None else None
-        if kv_out:
-            self.multi.update_connector_output(kv_out)
-        return list(self.multi.take_events())
+        return _scheduler_step(self.aggregator, self.multi, wires)
 
 
 class PathB(Path):
@@ -226,11 +235,7 @@ class PathB(Path):
         return enqueue(_wrap(self.workers[rank].get_kv_connector_kv_cache_events()))
 
     def scheduler(self, wires: Sequence[Wire]) -> list[Any]:
-        output = self.aggregator.aggregate([dequeue(w) for w in wires], output_rank=0)
-        kv_out = output.kv_connector_output if output is not None else None
-        if kv_out:
-            self.connector.update_connector_output(kv_out)
-        return list(self.connector.take_events())
+        return _scheduler_step(self.aggregator, self.connector, wires)
 
     def per_child(self, result: list[Any]) -> list[list[Any]]:
         """Split the step's events by child, with the mergers' public counters
