@@ -192,7 +192,7 @@ class PathA(Path):
         return result
 
 
-class Plumbing:
+class Floor:
     """vLLM's scheduler side with no KV events at all: per rank a
     ``ModelRunnerOutput`` without a ``KVConnectorOutput``, the
     ``KVOutputAggregator``, and upstream ``MultiConnector``'s

@@ -19,7 +19,7 @@ Scheduler side, path B (``kv_events_output`` as configured):
   Python code;
 * ``take_events``.
 
-Scheduler side, vLLM alone (``paths.Plumbing``): the same steps with no KV
+Scheduler side, the floor (``paths.Floor``): the same steps with no KV
 events at all (vLLM's envelopes, aggregator and upstream ``MultiConnector``
 over the same children): the floor any event path adds its cost to.
 
@@ -76,12 +76,12 @@ def profile_case(
     seed: int = 0,
     output: str = "raw",
 ) -> dict[str, Any]:
-    from .paths import PathA, PathB, Plumbing
+    from .paths import Floor, PathA, PathB
 
     cfg = preset(workload, world_size=world_size, events=events, seed=seed)
     a = PathA(world_size, cfg.children)
     b = PathB(world_size, cfg.children, output)
-    floor = Plumbing(world_size, cfg.children)
+    floor = Floor(world_size, cfg.children)
     # Three sets of mergers fed the same reports: the merge alone (output as
     # one batch), the merge with raw output, the merge with object output.
     merger_sets = [
@@ -94,7 +94,7 @@ def profile_case(
     enc = msgspec.msgpack.Encoder()
     sa: dict[str, list[float]] = defaultdict(list)
     sb: dict[str, list[float]] = defaultdict(list)
-    sv: dict[str, list[float]] = defaultdict(list)
+    sf: dict[str, list[float]] = defaultdict(list)
     wa: dict[str, list[float]] = defaultdict(list)
     wb: dict[str, list[float]] = defaultdict(list)
     faults: dict[str, list[int]] = {"A": [], "B": []}
@@ -249,14 +249,14 @@ def profile_case(
                 sb[f"(merge and output as {other} instead)"].append(out_s[other])
                 sb["take_events"].append(t4 - t3)
                 sb["total"].append(t4 - t0)
-            # --- scheduler side, vLLM alone (no KV events) ----------------------
+            # --- scheduler side, the floor (vLLM alone, no KV events) ------------
             wires_v = floor.wires()
             gc.collect()
             t0 = _clock()
             floor.scheduler(wires_v)
             t1 = _clock()
             if keep:
-                sv["total"].append(t1 - t0)
+                sf["total"].append(t1 - t0)
     finally:
         gc.unfreeze()
     sa_med = _med(sa)
@@ -269,7 +269,7 @@ def profile_case(
         "case": f"{workload}/tp{world_size}/{events}",
         "steps": steps,
         "output": output,
-        "scheduler": {"A": sa_med, "B": _med(sb), "floor": _med(sv)},
+        "scheduler": {"A": sa_med, "B": _med(sb), "floor": _med(sf)},
         "worker_per_rank": {"A": wa_med, "B": wb_med},
         "unpickle_minor_page_faults": {
             k: statistics.median(v) if v else None for k, v in faults.items()
@@ -301,7 +301,7 @@ def format_profile(p: dict[str, Any]) -> str:
             lines.append(f"  {label}, {path}: total {total:.3f} = " + "; ".join(parts))
     floor, b = p["scheduler"]["floor"]["total"], p["scheduler"]["B"]["total"]
     lines.append(
-        f"  scheduler side, vLLM alone (no KV events): total {floor:.3f}; "
+        f"  scheduler side, floor (vLLM alone, no KV events): total {floor:.3f}; "
         f"B adds {b - floor:.3f} to it"
     )
     pf = p.get("unpickle_minor_page_faults")

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 import kvmerge
 from benches.compare import build_parser, grid_from_args, main, run_bench
 from benches.compare.check import ChildDiff
-from benches.compare.paths import Plumbing
+from benches.compare.paths import Floor
 from benches.compare.runner import Case, run_case
 from benches.compare.workload import Workload, WorkloadConfig, preset
 from kvmerge.sim.transport import OOB_THRESHOLD, dequeue, enqueue
@@ -308,17 +308,17 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     assert {t["target"].split(":")[0] for t in doc["targets"]}
     assert "profile" in doc and doc["profile"]["scheduler"]["B"]["total"] > 0
     assert doc["profile"]["scheduler"]["floor"]["total"] > 0
-    assert "vLLM alone (no KV events)" in text
+    assert "floor (vLLM alone, no KV events)" in text
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG")
 
 
 def test_the_floor_carries_no_kv_events():
-    """``Plumbing`` is vLLM's scheduler side with nothing for a KV-event path
+    """The floor is vLLM's scheduler side with nothing for a KV-event path
     to add: each rank's message has no ``KVConnectorOutput``, upstream
     ``MultiConnector`` hands its children an aggregated output without
     events, and nothing is published."""
-    floor = Plumbing(2, ("lmcache", "mooncake"))
+    floor = Floor(2, ("lmcache", "mooncake"))
     assert type(floor.multi) is MultiConnector
     wires = floor.wires()
     assert len(wires) == 2
