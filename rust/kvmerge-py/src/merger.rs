@@ -181,8 +181,7 @@ impl PyMerger {
     ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>)> {
         let kind = kind_arg(kind, "finish_step_raw_and_decode")?;
         let published = self.finish_published(py)?;
-        let (raws, decoded) = raw_and_decoded(py, &published, Some(kind))?;
-        Ok((raws, decoded))
+        raw_and_decoded(py, &published, Some(kind))
     }
 
     fn finish_step_batch(&self, py: Python<'_>) -> PyResult<PyEventBatch> {
