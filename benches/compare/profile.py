@@ -21,7 +21,11 @@ Scheduler side, path B (``kv_events_output`` as configured):
 
 Scheduler side, the floor (``paths.Floor``): the same steps with no KV
 events at all (vLLM's envelopes, aggregator and upstream ``MultiConnector``
-over the same children): the floor any event path adds its cost to.
+over the same children): the floor any event path adds its cost to. And
+path B's ``fixed`` cost: a second ``KVMergeMultiConnector`` over the same
+steps with every child's events taken away (each rank still sends its
+container, of empty batches): what B adds to the floor whatever the events,
+per message and per child.
 
 Scheduler side, path A: ``unpickle`` (rebuilds each container's ``Counter``:
 one Python ``__hash__`` per event), ``aggregate`` (``add_events``: a
@@ -82,6 +86,7 @@ def profile_case(
     a = PathA(world_size, cfg.children)
     b = PathB(world_size, cfg.children, output)
     floor = Floor(world_size, cfg.children)
+    fixed = PathB(world_size, cfg.children, output)
     # Three sets of mergers fed the same reports: the merge alone (output as
     # one batch), the merge with raw output, the merge with object output.
     merger_sets = [
@@ -95,6 +100,7 @@ def profile_case(
     sa: dict[str, list[float]] = defaultdict(list)
     sb: dict[str, list[float]] = defaultdict(list)
     sf: dict[str, list[float]] = defaultdict(list)
+    sx: dict[str, list[float]] = defaultdict(list)
     wa: dict[str, list[float]] = defaultdict(list)
     wb: dict[str, list[float]] = defaultdict(list)
     faults: dict[str, list[int]] = {"A": [], "B": []}
@@ -257,6 +263,15 @@ def profile_case(
             t1 = _clock()
             if keep:
                 sf["total"].append(t1 - t0)
+            # --- scheduler side, B's fixed cost (the same steps, no events) ---
+            fixed.feed([[[] for _ in ranks] for ranks in step.events])
+            wires_x = [fixed.worker(rank) for rank in range(world_size)]
+            gc.collect()
+            t0 = _clock()
+            fixed.scheduler(wires_x)
+            t1 = _clock()
+            if keep:
+                sx["total"].append(t1 - t0)
     finally:
         gc.unfreeze()
     sa_med = _med(sa)
@@ -269,7 +284,12 @@ def profile_case(
         "case": f"{workload}/tp{world_size}/{events}",
         "steps": steps,
         "output": output,
-        "scheduler": {"A": sa_med, "B": _med(sb), "floor": _med(sf)},
+        "scheduler": {
+            "A": sa_med,
+            "B": _med(sb),
+            "floor": _med(sf),
+            "fixed": _med(sx),
+        },
         "worker_per_rank": {"A": wa_med, "B": wb_med},
         "unpickle_minor_page_faults": {
             k: statistics.median(v) if v else None for k, v in faults.items()
@@ -300,9 +320,11 @@ def format_profile(p: dict[str, Any]) -> str:
             ]
             lines.append(f"  {label}, {path}: total {total:.3f} = " + "; ".join(parts))
     floor, b = p["scheduler"]["floor"]["total"], p["scheduler"]["B"]["total"]
+    fixed = p["scheduler"]["fixed"]["total"]
     lines.append(
         f"  scheduler side, floor (vLLM alone, no KV events): total {floor:.3f}; "
-        f"B adds {b - floor:.3f} to it"
+        f"B adds {b - floor:.3f} to it, {fixed - floor:.3f} of it fixed "
+        f"(B with no events: total {fixed:.3f})"
     )
     pf = p.get("unpickle_minor_page_faults")
     if pf:

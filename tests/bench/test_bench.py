@@ -20,10 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 import kvmerge
 from benches.compare import build_parser, grid_from_args, main, run_bench
 from benches.compare.check import ChildDiff
-from benches.compare.paths import Floor
+from benches.compare.paths import Floor, PathB
 from benches.compare.runner import Case, run_case
 from benches.compare.workload import Workload, WorkloadConfig, preset
 from kvmerge.sim.transport import OOB_THRESHOLD, dequeue, enqueue
+from kvmerge.vllm.container import KVMergeKVEvents
 
 pytestmark = pytest.mark.vllm
 
@@ -308,7 +309,9 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     assert {t["target"].split(":")[0] for t in doc["targets"]}
     assert "profile" in doc and doc["profile"]["scheduler"]["B"]["total"] > 0
     assert doc["profile"]["scheduler"]["floor"]["total"] > 0
+    assert doc["profile"]["scheduler"]["fixed"]["total"] > 0
     assert "floor (vLLM alone, no KV events)" in text
+    assert "fixed (B with no events" in text
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG")
 
@@ -329,6 +332,25 @@ def test_the_floor_carries_no_kv_events():
     child.update_connector_output = lambda out: (seen.append(out), original(out))
     assert floor.scheduler(wires) == []
     assert len(seen) == 1 and seen[0].kv_cache_events is None
+
+
+def test_the_fixed_cost_carries_containers_without_events():
+    """``--profile``'s fixed cost is path B over steps whose events were taken
+    away: every rank still sends its ``KVMergeKVEvents``, the connector
+    merges them, and nothing is published."""
+    b = PathB(2, ("lmcache", "mooncake"))
+    steps = list(Workload(preset("uniform", world_size=2, events=4)).steps(2))
+    for step in steps:
+        b.feed([[[] for _ in ranks] for ranks in step.events])
+        wires = [b.worker(rank) for rank in range(2)]
+        received = [dequeue(w).kv_connector_output.kv_cache_events for w in wires]
+        assert all(type(e) is KVMergeKVEvents for e in received)
+        assert b.scheduler(wires) == []
+    # LMCache's child returns no container without events (no merger yet);
+    # Mooncake's returns an empty one, merged every step.
+    lmcache, mooncake = b.connector.merge_stats()
+    assert lmcache is None
+    assert mooncake is not None and mooncake["steps"] == 2
 
 
 def test_the_wheel_has_no_bench():
