@@ -256,22 +256,15 @@ def profile_case(
                 sb["take_events"].append(t4 - t3)
                 sb["total"].append(t4 - t0)
             # --- scheduler side, the floor (vLLM alone, no KV events) ------------
-            wires_v = floor.wires()
-            gc.collect()
-            t0 = _clock()
-            floor.scheduler(wires_v)
-            t1 = _clock()
-            if keep:
-                sf["total"].append(t1 - t0)
+            floor_s = _scheduler_time(floor, floor.wires())
             # --- scheduler side, B's fixed cost (the same steps, no events) ---
             fixed.feed([[[] for _ in ranks] for ranks in step.events])
-            wires_x = [fixed.worker(rank) for rank in range(world_size)]
-            gc.collect()
-            t0 = _clock()
-            fixed.scheduler(wires_x)
-            t1 = _clock()
+            fixed_s = _scheduler_time(
+                fixed, [fixed.worker(rank) for rank in range(world_size)]
+            )
             if keep:
-                sx["total"].append(t1 - t0)
+                sf["total"].append(floor_s)
+                sx["total"].append(fixed_s)
     finally:
         gc.unfreeze()
     sa_med = _med(sa)
@@ -295,6 +288,15 @@ def profile_case(
             k: statistics.median(v) if v else None for k, v in faults.items()
         },
     }
+
+
+def _scheduler_time(path: Any, wires: list[Any]) -> float:
+    """Seconds of one scheduler step of ``path`` (after a garbage
+    collection, untimed)."""
+    gc.collect()
+    t0 = _clock()
+    path.scheduler(wires)
+    return _clock() - t0
 
 
 def _rule(family: str) -> tuple[Rule, list[int] | None]:
