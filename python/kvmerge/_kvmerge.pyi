@@ -19,8 +19,10 @@ __all__ = [
     "MergerStats",
     "RankError",
     "_borrow_buffers",
+    "_expired",
     "_layout",
     "_merge_children",
+    "_merge_common_step",
     "encode",
 ]
 
@@ -216,6 +218,35 @@ def _merge_children(
     not raised). None for a plan that is None, for a child with anything
     else in an output, and for one whose merger refuses the batches (left
     unchanged): the caller merges those itself."""
+
+def _merge_common_step(
+    outputs: Sequence[Any],
+    plans: Sequence[
+        tuple[int, str, tuple[int, ...] | None, Merger, _EventClass | None] | None
+    ],
+    output_type: type,
+    last_seq: dict[int, int],
+    misconfigured: set[int],
+) -> (
+    tuple[
+        list[Any],
+        list[tuple[list[msgspec.Raw], list[_Event] | None] | KVMergeError | None],
+    ]
+    | None
+):
+    """`KVMergeMultiConnector`'s whole step in the common case, from the
+    outputs as they arrived (unchecked).
+
+    When every output is exactly of `output_type` (`WorkerOutput`), with no
+    settings, an int rank and `seq`, one entry per plan in each of its
+    tuples, a rank seen once in the step, not in `misconfigured`, and the
+    `seq` after the one `last_seq` holds for that rank: records each rank's
+    `seq` in `last_seq` and returns the outputs in rank order, with
+    `_merge_children`'s result for them. Otherwise None, and nothing is
+    changed: the caller checks the outputs one by one."""
+
+def _expired(mergers: Sequence[Merger | None]) -> int:
+    """The mergers' `stats().expired`, summed (None: no merger)."""
 
 def encode(
     events: Sequence[_Event],

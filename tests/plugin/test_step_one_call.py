@@ -213,3 +213,127 @@ def test_a_hook_removal_that_does_not_decode_loses_the_step_not_the_engine(
     assert observed(c.scheduler, published[id(c.scheduler)][1]) == observed(
         own_steps, published[id(own_steps)][1]
     )
+
+
+# --- which steps are the common case ------------------------------------------
+
+WORLD = 4
+N = 3
+
+
+class _Subclass(WorkerOutput):
+    __slots__ = ()
+
+
+def _output(rank: int, seq: int, odd: dict[str, Any]) -> Any:
+    """A well-formed output of ``rank`` (children all None), then ``odd``'s
+    fields set as they are."""
+    output = _from_wire(rank, (None,) * N, (None,) * N, (None,) * N, seq, None)
+    for name, value in odd.items():
+        setattr(output, name, value)
+    return output
+
+
+def _reference_common(
+    outputs: list[Any], last_seq: dict[int, int], misconfigured: set[int]
+) -> bool:
+    """The common case as ``_merge_common_step``'s docs state it, output by
+    output."""
+    seen: set[int] = set()
+    for o in outputs:
+        if type(o) is not WorkerOutput or o.settings is not None:
+            return False
+        if type(o.rank) is not int or type(o.seq) is not int:
+            return False
+        if not all(
+            type(t) is tuple and len(t) == N for t in (o.families, o.entries, o.factors)
+        ):
+            return False
+        if o.rank in seen or o.rank in misconfigured:
+            return False
+        if last_seq.get(o.rank) != o.seq - 1:
+            return False
+        seen.add(o.rank)
+    return True
+
+
+_odd_fields = st.sampled_from(
+    [
+        {"settings": "settings"},
+        {"families": [None] * N},
+        {"entries": (None,) * (N - 1)},
+        {"factors": (None,) * (N + 1)},
+        {"rank": True},
+        {"rank": "1"},
+        {"seq": 2.0},
+        {"seq": False},
+    ]
+)
+
+
+_defects = st.sampled_from(
+    [
+        "odd field",
+        "subclass",
+        "not an output",
+        "seq gap",
+        "seq again",
+        "twice",
+        "misconfigured",
+    ]
+)
+
+
+@st.composite
+def _steps(draw: Any) -> tuple[list[Any], dict[int, int], set[int]]:
+    """A step of well-formed outputs (all ranks or some), then, half the
+    time, one defect in one of them."""
+    last_seq = {r: draw(st.integers(0, 5)) for r in range(WORLD)}
+    ranks = draw(st.permutations(range(WORLD)))[: draw(st.integers(1, WORLD))]
+    outputs: list[Any] = [_output(r, last_seq[r] + 1, {}) for r in ranks]
+    misconfigured: set[int] = set()
+    if draw(st.booleans()):
+        at = draw(st.integers(0, len(outputs) - 1))
+        victim = outputs[at]
+        defect = draw(_defects)
+        if defect == "odd field":
+            outputs[at] = _output(victim.rank, victim.seq, draw(_odd_fields))
+        elif defect == "subclass":
+            subclassed = object.__new__(_Subclass)
+            for name in WorkerOutput.__slots__:
+                setattr(subclassed, name, getattr(victim, name))
+            outputs[at] = subclassed
+        elif defect == "not an output":
+            outputs[at] = ("an output", victim.rank)
+        elif defect in ("seq gap", "seq again"):
+            outputs[at] = _output(
+                victim.rank, victim.seq + (1 if defect == "seq gap" else -1), {}
+            )
+        elif defect == "twice":
+            outputs.append(_output(victim.rank, victim.seq, {}))
+        else:
+            misconfigured.add(victim.rank)
+    return outputs, last_seq, misconfigured
+
+
+@settings(max_examples=300, deadline=None)
+@given(step=_steps())
+def test_the_common_step_is_the_common_case_and_only_it(step):
+    """``_merge_common_step`` takes a step exactly when the rule says it is
+    the common case: it then records every rank's ``seq`` and orders the
+    outputs by rank; otherwise it changes nothing, for the caller's checks."""
+    outputs, last_seq, misconfigured = step
+    before = dict(last_seq)
+    expected = _reference_common(outputs, last_seq, misconfigured)
+    got = kvmerge._kvmerge._merge_common_step(
+        outputs, [None] * N, WorkerOutput, last_seq, misconfigured
+    )
+    if not expected:
+        assert got is None
+        assert last_seq == before
+        return
+    assert got is not None
+    ordered, results = got
+    assert ordered == sorted(outputs, key=lambda o: o.rank)
+    assert results == [None] * N
+    assert last_seq == {**before, **{o.rank: o.seq for o in outputs}}

@@ -28,7 +28,6 @@ the worker's message they came in) unless the connector's extra config says
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
@@ -41,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 
 import kvmerge
 from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError, Rule
-from kvmerge._kvmerge import _merge_children
+from kvmerge._kvmerge import _expired, _merge_children, _merge_common_step
 
 from .alias import MODULE_PATH, UPSTREAM_NAME
 from .config import (
@@ -107,42 +106,6 @@ def _empty_batch() -> EventBatch:
     if _EMPTY is None:
         _EMPTY = EventBatch.empty()
     return _EMPTY
-
-
-_OBJECT_GETSTATE = getattr(object, "__getstate__", None)
-
-
-#: Per class: whether ``copy.copy`` of its instances is a new instance with
-#: the same ``__dict__`` (no copy hooks of its own, no slots).
-_PLAIN_COPY: dict[type, bool] = {}
-
-
-def _plain_copy(cls: type) -> bool:
-    return (
-        "__slots__" not in cls.__dict__
-        and getattr(cls, "__copy__", None) is None
-        and cls.__reduce_ex__ is object.__reduce_ex__
-        and cls.__reduce__ is object.__reduce__
-        and getattr(cls, "__getstate__", None) is _OBJECT_GETSTATE
-        and getattr(cls, "__setstate__", None) is None
-        and cls.__new__ is object.__new__
-    )
-
-
-def _shallow_copy(obj: Any) -> Any:
-    """``copy.copy(obj)``; for a plain class (a ``KVConnectorOutput``: a
-    dataclass with an instance dict and no copy hooks of its own) what
-    ``copy.copy`` does, without its generic ``__reduce_ex__`` round trip."""
-    cls = type(obj)
-    plain = _PLAIN_COPY.get(cls)
-    if plain is None:
-        plain = _PLAIN_COPY[cls] = _plain_copy(cls)
-    state = getattr(obj, "__dict__", None) if plain else None
-    if state is None:
-        return copy.copy(obj)
-    copied = object.__new__(cls)
-    copied.__dict__.update(state)
-    return copied
 
 
 class _Child:
@@ -357,6 +320,14 @@ class _Child:
         (a removal for the hook that does not decode): counted and logged."""
         refusals.lost(self, merger.step, self._explain(e))
 
+    @property
+    def settled(self) -> bool:
+        """Whether this child's mode, family and merger are fixed for good,
+        and so its ``plan``."""
+        return self.mode == "native" or (
+            self.merger is not None and self.family is not None
+        )
+
     def plan(self) -> _Plan | None:
         """What ``_merge_children`` needs to merge this child's step without
         Python, once its mode, family and merger are fixed and its events
@@ -464,6 +435,9 @@ class KVMergeMultiConnector(MultiConnector):
             #: The mergers' expired counters after the last step (None: to
             #: be summed again, after reset_cache).
             self._expired_total: int | None = None
+            #: Every child's plan, once none of them can change (see
+            #: ``_Child.settled``).
+            self._plans: list[_Plan | None] | None = None
             self._children = [
                 _Child(
                     child_spec,
@@ -596,56 +570,32 @@ class KVMergeMultiConnector(MultiConnector):
         ]
 
     def _merge_step(self, outputs: Sequence[WorkerOutput]) -> list[Any]:
-        by_rank: dict[int, WorkerOutput] = {}
-        n = len(self._children)
-        last_seq = self._last_seq
-        misconfigured = self._misconfigured
-        for output in outputs:
-            # The common case, checked at once: a well-formed output, no
-            # settings, the next of a known rank's (what _output_problem
-            # would accept without a word; a rank in last_seq is one it
-            # found in the world).
-            if type(output) is WorkerOutput and output.settings is None:
-                rank, seq = output.rank, output.seq
-                families, entries, factors = (
-                    output.families,
-                    output.entries,
-                    output.factors,
-                )
-                if (
-                    type(rank) is int
-                    and type(seq) is int
-                    and type(families) is tuple
-                    and type(entries) is tuple
-                    and type(factors) is tuple
-                    and len(families) == len(entries) == len(factors) == n
-                    and rank not in by_rank
-                    and rank not in misconfigured
-                    and last_seq.get(rank) == seq - 1
-                ):
-                    last_seq[rank] = seq
-                    by_rank[rank] = output
-                    continue
-            why = self._output_problem(output, by_rank)
-            if why is not None:
-                who = getattr(output, "rank", "?")
-                self._refusals.refuse_output(self._children, who, why)
-                continue
-            by_rank[output.rank] = output
-        ordered = [by_rank[rank] for rank in sorted(by_rank)]
+        children = self._children
+        plans = self._plans
+        if plans is None:
+            plans = [child.plan() for child in children]
+            if all(child.settled for child in children):
+                self._plans = plans
+        # The common case (every output the next of a known rank, no
+        # settings, one entry per child) is checked, ordered and merged in
+        # one call; anything else is checked here, output by output.
+        common = _merge_common_step(
+            outputs, plans, WorkerOutput, self._last_seq, self._misconfigured
+        )
+        if common is None:
+            ordered = self._checked(outputs)
+            results = _merge_children(ordered, plans)
+        else:
+            ordered, results = common
         expired_before = self._expired_total
         if expired_before is None:
             expired_before = self._expired()
         refusals = self._refusals
-        children = self._children
-        # Children in the common case are merged in one call; the others
+        # Children in the common case are merged in that call; the others
         # (and any the call could not merge: the merger is then unchanged)
         # by their own step, which explains and counts what it drops.
-        plans = [child.plan() for child in children]
         native: list[Any] = []
-        for child, plan, result in zip(
-            children, plans, _merge_children(ordered, plans), strict=True
-        ):
+        for child, plan, result in zip(children, plans, results, strict=True):
             if plan is None or result is None:
                 native.append(child.step(ordered, refusals))
                 continue
@@ -656,9 +606,24 @@ class KVMergeMultiConnector(MultiConnector):
             native.append(None)
         refusals.end_step()
         expired = self._expired_total = self._expired()
-        self._incidents.observe(self._steps, by_rank.keys(), expired - expired_before)
+        self._incidents.observe(
+            self._steps, [o.rank for o in ordered], expired - expired_before
+        )
         self._steps += 1
         return native
+
+    def _checked(self, outputs: Sequence[Any]) -> list[WorkerOutput]:
+        """The outputs that can be merged, in rank order; the others refused
+        (counted and logged with their rank)."""
+        by_rank: dict[int, WorkerOutput] = {}
+        for output in outputs:
+            why = self._output_problem(output, by_rank)
+            if why is not None:
+                who = getattr(output, "rank", "?")
+                self._refusals.refuse_output(self._children, who, why)
+                continue
+            by_rank[output.rank] = output
+        return [by_rank[rank] for rank in sorted(by_rank)]
 
     def _output_problem(self, output: Any, seen: dict[int, WorkerOutput]) -> str | None:
         """Why a worker's output cannot be merged at all, or None.
@@ -718,9 +683,7 @@ class KVMergeMultiConnector(MultiConnector):
         return None
 
     def _expired(self) -> int:
-        return sum(
-            child.merger.stats().expired for child in self._children if child.merger
-        )
+        return _expired([child.merger for child in self._children])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._role != KVConnectorRole.SCHEDULER:
@@ -747,14 +710,18 @@ class KVMergeMultiConnector(MultiConnector):
                 "KVMergeMultiConnector: expected MultiKVConnectorWorkerMetadata, "
                 f"got {type(meta).__name__}"
             )
-        for i, child in enumerate(self._children):
-            # A copy per child: the caller's output stays as it was.
-            child_output = _shallow_copy(connector_output)
-            child_output.kv_cache_events = native[i]
-            child_output.kv_connector_worker_meta = (
-                meta.metadata[i] if meta is not None else None
-            )
-            child.connector.update_connector_output(child_output)
+        # As upstream hands each child its own worker metadata: in the
+        # caller's output, restored afterwards; here its own container too.
+        try:
+            for i, child in enumerate(self._children):
+                connector_output.kv_cache_events = native[i]
+                connector_output.kv_connector_worker_meta = (
+                    meta.metadata[i] if meta is not None else None
+                )
+                child.connector.update_connector_output(connector_output)
+        finally:
+            connector_output.kv_cache_events = events
+            connector_output.kv_connector_worker_meta = meta
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events: list[Any] = []

@@ -56,5 +56,7 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(batch::_borrow_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(layout::_layout, m)?)?;
     m.add_function(wrap_pyfunction!(step::_merge_children, m)?)?;
+    m.add_function(wrap_pyfunction!(step::_merge_common_step, m)?)?;
+    m.add_function(wrap_pyfunction!(step::_expired, m)?)?;
     Ok(())
 }

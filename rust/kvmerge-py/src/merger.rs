@@ -66,6 +66,11 @@ impl PyMerger {
         is_small(bytes, reports)
     }
 
+    /// The counters now (`stats()`, without the Python object).
+    pub(crate) fn stats_now(&self) -> Stats {
+        self.lock().stats()
+    }
+
     fn finish(&self, py: Python<'_>) -> PyResult<Arc<Batch>> {
         self.run(py, Self::small_finish, |m| Ok(m.finish_step()))
     }
@@ -189,7 +194,7 @@ impl PyMerger {
     }
 
     fn stats(&self) -> PyMergerStats {
-        PyMergerStats(self.lock().stats())
+        PyMergerStats(self.stats_now())
     }
 
     fn reset(&self) {

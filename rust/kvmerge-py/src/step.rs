@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 
 use kvmerge_core::{Batch, Merger};
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
 
 use crate::batch::PyEventBatch;
 use crate::convert::kind_arg;
@@ -43,6 +43,69 @@ struct Output<'py> {
     families: Bound<'py, PyTuple>,
     entries: Bound<'py, PyTuple>,
     factors: Bound<'py, PyTuple>,
+}
+
+/// A worker output of the common shape, read by `_merge_common_step`: its
+/// fields, and its rank and `seq` as the ints they are.
+struct Common<'py> {
+    output: Bound<'py, PyAny>,
+    fields: Output<'py>,
+    rank: Bound<'py, PyInt>,
+    seq: Bound<'py, PyInt>,
+}
+
+impl<'py> Common<'py> {
+    /// `output` when it is exactly a `WorkerOutput` (`output_type`) with
+    /// no settings, int rank and `seq`, and one entry per child (`n`) in
+    /// each of its tuples; None for anything else.
+    fn read(
+        output: &Bound<'py, PyAny>,
+        output_type: &Bound<'py, PyType>,
+        n: usize,
+    ) -> Option<Common<'py>> {
+        let py = output.py();
+        if !output.get_type().is(output_type) {
+            return None;
+        }
+        if !output
+            .getattr(pyo3::intern!(py, "settings"))
+            .ok()?
+            .is_none()
+        {
+            return None;
+        }
+        let fields = Output::read(output)?;
+        if [&fields.families, &fields.entries, &fields.factors]
+            .iter()
+            .any(|t| t.len() != n)
+        {
+            return None;
+        }
+        let int = |name| output.getattr(name).ok()?.cast_into_exact::<PyInt>().ok();
+        Some(Common {
+            output: output.clone(),
+            fields,
+            rank: int(pyo3::intern!(py, "rank"))?,
+            seq: int(pyo3::intern!(py, "seq"))?,
+        })
+    }
+
+    /// Whether this is the next output of a rank `last_seq` knows (the
+    /// `seq` after the last one seen) and `misconfigured` does not hold.
+    fn is_next(&self, last_seq: &Bound<'py, PyDict>, misconfigured: &Bound<'py, PySet>) -> bool {
+        if !misconfigured.is_empty() && misconfigured.contains(&self.rank).unwrap_or(true) {
+            return false;
+        }
+        let Ok(Some(last)) = last_seq.get_item(&self.rank) else {
+            return false;
+        };
+        let last = last
+            .cast_exact::<PyInt>()
+            .ok()
+            .and_then(|l| l.extract::<i64>().ok());
+        let seq = self.seq.extract::<i64>().ok();
+        matches!((last, seq), (Some(l), Some(s)) if s.checked_sub(1) == Some(l))
+    }
 }
 
 impl<'py> Output<'py> {
@@ -173,4 +236,55 @@ pub fn _merge_children<'py>(
         })
         .collect::<PyResult<Vec<_>>>()?;
     PyList::new(py, results)
+}
+
+// The connector's whole step in the common case; docs in _kvmerge.pyi. The
+// outputs arrive unchecked: when one is not of the common shape nothing is
+// changed and None tells the caller to check and merge them itself.
+#[pyfunction]
+pub fn _merge_common_step<'py>(
+    py: Python<'py>,
+    outputs: Vec<Bound<'py, PyAny>>,
+    plans: Vec<Option<Plan<'py>>>,
+    output_type: Bound<'py, PyType>,
+    last_seq: Bound<'py, PyDict>,
+    misconfigured: Bound<'py, PySet>,
+) -> PyResult<Option<(Bound<'py, PyList>, Bound<'py, PyList>)>> {
+    static EMPTY: OnceLock<Arc<Batch>> = OnceLock::new();
+    let empty = EMPTY.get_or_init(|| Arc::new(Batch::empty()));
+    let mut common: Vec<Common<'py>> = Vec::with_capacity(outputs.len());
+    for output in &outputs {
+        let Some(read) = Common::read(output, &output_type, plans.len()) else {
+            return Ok(None);
+        };
+        let again = common.iter().any(|c| c.fields.rank == read.fields.rank);
+        if again || !read.is_next(&last_seq, &misconfigured) {
+            return Ok(None);
+        }
+        common.push(read);
+    }
+    for c in &common {
+        last_seq.set_item(&c.rank, &c.seq)?;
+    }
+    common.sort_by_key(|c| c.fields.rank);
+    let ordered = PyList::new(py, common.iter().map(|c| &c.output))?;
+    let fields: Vec<Output<'py>> = common.into_iter().map(|c| c.fields).collect();
+    let results = plans
+        .iter()
+        .map(|plan| match plan {
+            Some(plan) => merge_child(py, &fields, plan, empty),
+            None => Ok(None),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(Some((ordered, PyList::new(py, results)?)))
+}
+
+// The expired counters of these mergers, summed; docs in _kvmerge.pyi.
+#[pyfunction]
+pub fn _expired(mergers: Vec<Option<Bound<'_, PyMerger>>>) -> u64 {
+    mergers
+        .iter()
+        .flatten()
+        .map(|m| m.get().stats_now().expired)
+        .sum()
 }
