@@ -74,19 +74,20 @@ impl<'py> Common<'py> {
         {
             return None;
         }
-        let fields = Output::read(output)?;
+        let rank = int_field(output, pyo3::intern!(py, "rank"))?;
+        let seq = int_field(output, pyo3::intern!(py, "seq"))?;
+        let fields = Output::read_with(output, &rank)?;
         if [&fields.families, &fields.entries, &fields.factors]
             .iter()
             .any(|t| t.len() != n)
         {
             return None;
         }
-        let int = |name| output.getattr(name).ok()?.cast_into_exact::<PyInt>().ok();
         Some(Common {
             output: output.clone(),
             fields,
-            rank: int(pyo3::intern!(py, "rank"))?,
-            seq: int(pyo3::intern!(py, "seq"))?,
+            rank,
+            seq,
         })
     }
 
@@ -110,15 +111,16 @@ impl<'py> Common<'py> {
 
 impl<'py> Output<'py> {
     fn read(output: &Bound<'py, PyAny>) -> Option<Output<'py>> {
+        let rank = int_field(output, pyo3::intern!(output.py(), "rank"))?;
+        Output::read_with(output, &rank)
+    }
+
+    /// `read`, the rank already read.
+    fn read_with(output: &Bound<'py, PyAny>, rank: &Bound<'py, PyInt>) -> Option<Output<'py>> {
         let py = output.py();
-        let field = |name: &Bound<'py, PyString>| output.getattr(name).ok();
-        let tuple = |name| field(name)?.cast_into_exact::<PyTuple>().ok();
+        let tuple = |name| output.getattr(name).ok()?.cast_into_exact::<PyTuple>().ok();
         Some(Output {
-            rank: field(pyo3::intern!(py, "rank"))?
-                .cast_exact::<PyInt>()
-                .ok()?
-                .extract()
-                .ok()?,
+            rank: rank.extract().ok()?,
             families: tuple(pyo3::intern!(py, "families"))?,
             entries: tuple(pyo3::intern!(py, "entries"))?,
             factors: tuple(pyo3::intern!(py, "factors"))?,
@@ -150,6 +152,14 @@ impl<'py> Output<'py> {
             .valid()
             .cloned()
     }
+}
+
+/// `output.name` when it is exactly an int.
+fn int_field<'py>(
+    output: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> Option<Bound<'py, PyInt>> {
+    output.getattr(name).ok()?.cast_into_exact::<PyInt>().ok()
 }
 
 /// Whether `reported` is a tuple of exactly the ints `known` (`True` equals
@@ -225,12 +235,22 @@ pub fn _merge_children<'py>(
     outputs: Vec<Bound<'py, PyAny>>,
     plans: Vec<Option<Plan<'py>>>,
 ) -> PyResult<Bound<'py, PyList>> {
+    let outputs = outputs.iter().map(Output::read).collect::<Option<Vec<_>>>();
+    merge_planned(py, outputs.as_deref(), &plans)
+}
+
+/// Each plan's child merged from `outputs` (`merge_child`); None for a plan
+/// that is None, and for every plan when the outputs are not all readable.
+fn merge_planned<'py>(
+    py: Python<'py>,
+    outputs: Option<&[Output<'py>]>,
+    plans: &[Option<Plan<'py>>],
+) -> PyResult<Bound<'py, PyList>> {
     static EMPTY: OnceLock<Arc<Batch>> = OnceLock::new();
     let empty = EMPTY.get_or_init(|| Arc::new(Batch::empty()));
-    let outputs = outputs.iter().map(Output::read).collect::<Option<Vec<_>>>();
     let results = plans
         .iter()
-        .map(|plan| match (plan, &outputs) {
+        .map(|plan| match (plan, outputs) {
             (Some(plan), Some(outputs)) => merge_child(py, outputs, plan, empty),
             _ => Ok(None),
         })
@@ -250,8 +270,6 @@ pub fn _merge_common_step<'py>(
     last_seq: Bound<'py, PyDict>,
     misconfigured: Bound<'py, PySet>,
 ) -> PyResult<Option<(Bound<'py, PyList>, Bound<'py, PyList>)>> {
-    static EMPTY: OnceLock<Arc<Batch>> = OnceLock::new();
-    let empty = EMPTY.get_or_init(|| Arc::new(Batch::empty()));
     let mut common: Vec<Common<'py>> = Vec::with_capacity(outputs.len());
     for output in &outputs {
         let Some(read) = Common::read(output, &output_type, plans.len()) else {
@@ -269,14 +287,7 @@ pub fn _merge_common_step<'py>(
     common.sort_by_key(|c| c.fields.rank);
     let ordered = PyList::new(py, common.iter().map(|c| &c.output))?;
     let fields: Vec<Output<'py>> = common.into_iter().map(|c| c.fields).collect();
-    let results = plans
-        .iter()
-        .map(|plan| match plan {
-            Some(plan) => merge_child(py, &fields, plan, empty),
-            None => Ok(None),
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    Ok(Some((ordered, PyList::new(py, results)?)))
+    Ok(Some((ordered, merge_planned(py, Some(&fields), &plans)?)))
 }
 
 // The expired counters of these mergers, summed; docs in _kvmerge.pyi.
