@@ -23,6 +23,8 @@ __all__ = [
     "_layout",
     "_merge_children",
     "_merge_common_step",
+    "_pack",
+    "_unpack",
     "encode",
 ]
 
@@ -230,6 +232,7 @@ def _merge_common_step(
 ) -> (
     tuple[
         list[Any],
+        list[int],
         list[tuple[list[msgspec.Raw], list[_Event] | None] | KVMergeError | None],
     ]
     | None
@@ -239,11 +242,41 @@ def _merge_common_step(
 
     When every output is exactly of `output_type` (`WorkerOutput`), with no
     settings, an int rank and `seq`, one entry per plan in each of its
-    tuples, a rank seen once in the step, not in `misconfigured`, and the
+    tuples (or still packed, `_packed`, in a readable buffer with one entry
+    per plan), a rank seen once in the step, not in `misconfigured`, and the
     `seq` after the one `last_seq` holds for that rank: records each rank's
-    `seq` in `last_seq` and returns the outputs in rank order, with
-    `_merge_children`'s result for them. Otherwise None, and nothing is
+    `seq` in `last_seq` and returns the outputs in rank order, their ranks,
+    and `_merge_children`'s result for them. Otherwise None, and nothing is
     changed: the caller checks the outputs one by one."""
+
+def _pack(
+    rank: object,
+    seq: object,
+    settings: object,
+    families: object,
+    entries: object,
+    factors: object,
+) -> bytes | None:
+    """A worker output's fields in one buffer, as a message carries it: None
+    unless it has no settings, an int rank and `seq`, tuples of one entry per
+    child, and for each child either nothing (no family, entry nor factors)
+    or a family name, a valid `EventBatch` and no factors or a tuple of ints."""
+
+def _unpack(
+    packed: object,
+) -> tuple[
+    int | None,
+    int | None,
+    tuple[str | None, ...],
+    tuple[EventBatch | None, ...],
+    tuple[tuple[int, ...] | None, ...],
+    str | None,
+]:
+    """`_pack`'s fields back: rank, seq, families, entries, factors, and None;
+    never raises for what it is given. For a damaged buffer: its rank when
+    the header got that far (else None), None, three empty tuples, and why.
+    A batch that does not validate comes back as an `EventBatch` whose
+    `error` says why."""
 
 def _expired(mergers: Sequence[Merger | None]) -> int:
     """The mergers' `stats().expired`, summed (None: no merger)."""

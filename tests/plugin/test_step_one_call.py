@@ -11,6 +11,7 @@ scheduler hooks are fed, their counters and their refusals must be the same.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 import kvmerge
 from kvmerge import _schema
+from kvmerge._kvmerge import _unpack
 from kvmerge.sim.model import create_connector
 from kvmerge.vllm import KVMergeKVEvents, register
 from kvmerge.vllm import connector as connector_module
@@ -225,13 +227,35 @@ class _Subclass(WorkerOutput):
     __slots__ = ()
 
 
-def _output(rank: int, seq: int, odd: dict[str, Any]) -> Any:
+def _output(rank: int, seq: int, odd: dict[str, Any], packed: bool = False) -> Any:
     """A well-formed output of ``rank`` (children all None), then ``odd``'s
-    fields set as they are."""
+    fields set as they are; or, ``packed``, as it arrives packed."""
     output = _from_wire(rank, (None,) * N, (None,) * N, (None,) * N, seq, None)
     for name, value in odd.items():
         setattr(output, name, value)
+    if packed:
+        container = pickle.loads(pickle.dumps(KVMergeKVEvents.for_worker(output)))
+        (output,) = container._outputs
+        assert output._packed is not None
     return output
+
+
+class _Fields:
+    """An output's fields as the rules read them, without unpacking it."""
+
+    def __init__(self, output: WorkerOutput) -> None:
+        if output._packed is None:
+            self.rank, self.seq, self.settings = (
+                output.rank,
+                output.seq,
+                output.settings,
+            )
+            self.families, self.entries = output.families, output.entries
+            self.factors = output.factors
+        else:
+            fields = _unpack(output._packed)
+            self.rank, self.seq, self.families, self.entries, self.factors, _ = fields
+            self.settings = None
 
 
 def _reference_common(
@@ -240,8 +264,11 @@ def _reference_common(
     """The common case as ``_merge_common_step``'s docs state it, output by
     output."""
     seen: set[int] = set()
-    for o in outputs:
-        if type(o) is not WorkerOutput or o.settings is not None:
+    for output in outputs:
+        if type(output) is not WorkerOutput:
+            return False
+        o = _Fields(output)
+        if o.settings is not None:
             return False
         if type(o.rank) is not int or type(o.seq) is not int:
             return False
@@ -290,7 +317,9 @@ def _steps(draw: Any) -> tuple[list[Any], dict[int, int], set[int]]:
     time, one defect in one of them."""
     last_seq = {r: draw(st.integers(0, 5)) for r in range(WORLD)}
     ranks = draw(st.permutations(range(WORLD)))[: draw(st.integers(1, WORLD))]
-    outputs: list[Any] = [_output(r, last_seq[r] + 1, {}) for r in ranks]
+    outputs: list[Any] = [
+        _output(r, last_seq[r] + 1, {}, packed=draw(st.booleans())) for r in ranks
+    ]
     misconfigured: set[int] = set()
     if draw(st.booleans()):
         at = draw(st.integers(0, len(outputs) - 1))
@@ -333,7 +362,11 @@ def test_the_common_step_is_the_common_case_and_only_it(step):
         assert last_seq == before
         return
     assert got is not None
-    ordered, results = got
+    # Read where they arrived: the call unpacked nothing.
+    packed = [o for o in outputs if o._packed is not None]
+    ordered, ranks, results = got
+    assert all(o._packed is not None for o in packed)
     assert ordered == sorted(outputs, key=lambda o: o.rank)
+    assert ranks == [o.rank for o in ordered]
     assert results == [None] * N
     assert last_seq == {**before, **{o.rank: o.seq for o in outputs}}

@@ -2,8 +2,9 @@
 
 vLLM treats an exception in ``update_connector_output`` / ``take_events`` as
 fatal to the engine. Hypothesis builds worker outputs as a damaged message or
-another kvmerge could deliver them (through ``_from_wire``, as unpickling does:
-any field of any type, damaged batches, foreign containers, odd settings) and
+another kvmerge could deliver them (through ``_from_wire`` or
+``_events_from_packed``, as unpickling does: any field of any type, damaged
+batches, foreign containers, odd settings, damaged or random packed buffers) and
 hands them, beside a good output of the other rank, to the real scheduler
 connector as vLLM's aggregator would. Nothing may raise, the good rank's
 events must still publish under rule "any", and every bad batch is counted.
@@ -12,6 +13,7 @@ events must still publish under rule "any", and every bad batch is counted.
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -20,9 +22,10 @@ from support.vllm_harness import Bus, Cluster, child, stored, worker_output
 from vllm.v1.outputs import KVConnectorOutput
 
 import kvmerge
+from kvmerge._kvmerge import _pack
 from kvmerge.sim.children import ListKVEvents
 from kvmerge.vllm import KVMergeKVEvents, register
-from kvmerge.vllm.container import _from_wire
+from kvmerge.vllm.container import _events_from_packed, _from_wire
 from kvmerge.vllm.settings import WorkerSettings
 
 pytestmark = pytest.mark.vllm
@@ -74,7 +77,34 @@ worker_settings = st.one_of(
         children=st.just(()),
     ),
 )
+
+
+def _packed_output(data: bytes) -> Any:
+    """An output as it arrives packed (``_events_from_packed``), of ``data``."""
+    return _events_from_packed(data)._outputs[0]
+
+
+def _damaged_packed(rank: int, at: int, flip: bool) -> Any:
+    """A real packed output of ``rank`` (one batch per child), a byte flipped
+    or the buffer cut at ``at``."""
+    batch = kvmerge.encode([stored(7)])
+    data = bytearray(
+        _pack(rank, 1, None, ("umbp", "lmcache"), (batch, batch), (None, None)) or b""
+    )
+    at %= len(data)
+    if flip:
+        data[at] ^= 0xFF
+    else:
+        del data[at:]
+    return _packed_output(bytes(data))
+
+
+packed_outputs = st.one_of(
+    st.binary(max_size=80).map(_packed_output),
+    st.builds(_damaged_packed, st.integers(0, 3), st.integers(0, 10**4), st.booleans()),
+)
 outputs = st.one_of(
+    packed_outputs,
     st.builds(
         lambda rank, children, seq, s: _from_wire(rank, *children, seq, s),
         st.one_of(st.just(1), anything),

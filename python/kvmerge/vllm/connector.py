@@ -584,9 +584,11 @@ class KVMergeMultiConnector(MultiConnector):
         )
         if common is None:
             ordered = self._checked(outputs)
+            ranks = [o.rank for o in ordered]
             results = _merge_children(ordered, plans)
         else:
-            ordered, results = common
+            # The ranks as read: an output that arrived packed stays so.
+            ordered, ranks, results = common
         expired_before = self._expired_total
         if expired_before is None:
             expired_before = self._expired()
@@ -606,9 +608,7 @@ class KVMergeMultiConnector(MultiConnector):
             native.append(None)
         refusals.end_step()
         expired = self._expired_total = self._expired()
-        self._incidents.observe(
-            self._steps, [o.rank for o in ordered], expired - expired_before
-        )
+        self._incidents.observe(self._steps, ranks, expired - expired_before)
         self._steps += 1
         return native
 

@@ -14,23 +14,32 @@ recognises it and takes the outputs over as they are, so no event object is
 built between a worker's ``kvmerge.encode`` and the scheduler's merge.
 
 Pickling (the executor's shm ``MessageQueue`` pickles with the highest protocol
-and a ``buffer_callback``) keeps the ``EventBatch`` objects as they are: each
-reduces to a protocol-5 ``PickleBuffer`` of its wire bytes, which travels out
-of band when large. On receipt a batch is rebuilt unchecked by raising nothing
-(``EventBatch._from_pickle``: a damaged one remembers why in ``.error``), and
-outputs likewise (``_from_wire``): unpickling runs inside vLLM's message queue,
-where an exception is fatal, and the scheduler side drops just that output.
+and a ``buffer_callback``) sends what a worker sends, one output, packed: its
+rank, ``seq``, families, replication factors and batches in one buffer
+(``_pack``; layout in ``rust/kvmerge-py/src/packed.rs``), a protocol-5
+``PickleBuffer`` that travels out of band when large. On receipt the buffer
+is kept as it came (``_events_from_packed``): the connector's common step reads
+it in Rust, and Python code that reads a field unpacks it first
+(``WorkerOutput._unpack``). An output that does not pack (its first, with the
+worker's settings; a native child's container; a batch the worker could not
+encode) travels as tuples, each ``EventBatch`` as a ``PickleBuffer`` of its
+wire bytes, rebuilt unchecked (``EventBatch._from_pickle``: a damaged one
+remembers why in ``.error``) by ``_from_wire``. Neither reconstructor raises:
+unpickling runs inside vLLM's message queue, where an exception is fatal, and
+the scheduler side drops just that output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from operator import index
 from pickle import PickleBuffer
-from typing import Any, TypeAlias, overload
+from typing import Any, SupportsIndex, TypeAlias, overload
 
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from kvmerge import EventBatch
+from kvmerge._kvmerge import _pack, _unpack
 
 from .config import ENCODED_FAMILIES, FAMILY_NATIVE, FAMILY_REFUSED, Family
 from .settings import WorkerSettings
@@ -39,6 +48,13 @@ from .settings import WorkerSettings
 #: (``EventBatch._from_pickle`` for each, in one call; never raises; not in
 #: the stubs).
 _entries_from_pickle = EventBatch._from_pickle_entries  # type: ignore[attr-defined]
+
+#: The first pickle protocol with out-of-band buffers (``PickleBuffer``).
+_OUT_OF_BAND_PROTOCOL = 5
+
+#: ``WorkerOutput``'s fields, which an output that arrived packed sets on
+#: first use.
+_FIELDS = frozenset(("entries", "factors", "families", "rank", "seq", "settings"))
 
 #: What a worker sends for one child: its encoded batch, its own container
 #: (a native child), why the worker could not encode its events (family
@@ -57,7 +73,16 @@ class WorkerOutput:
     for the first of its process, which also carries its ``settings``).
     """
 
-    __slots__ = ("entries", "factors", "families", "rank", "seq", "settings")
+    __slots__ = (
+        "_damage",
+        "_packed",
+        "entries",
+        "factors",
+        "families",
+        "rank",
+        "seq",
+        "settings",
+    )
 
     def __init__(
         self,
@@ -78,6 +103,33 @@ class WorkerOutput:
         self.factors = factors
         self.seq = seq
         self.settings = settings
+        self._packed: Any = None
+        self._damage: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for a field not set: an output that arrived packed
+        # (``_events_from_packed``) has none until Python code reads one.
+        if name in _FIELDS and self._packed is not None:
+            self._unpack()
+            return getattr(self, name)
+        raise AttributeError(name)
+
+    def _unpack(self) -> None:
+        """Sets the fields from the packed buffer (``_unpack``: never raises;
+        a damaged buffer leaves why in ``_damage``), which is then dropped:
+        from here on the fields are the output, also for the step."""
+        packed, self._packed = self._packed, None
+        # Unchecked, as _from_wire's: ``problem`` checks them.
+        fields: Any = _unpack(packed)
+        (
+            self.rank,
+            self.seq,
+            self.families,
+            self.entries,
+            self.factors,
+            self._damage,
+        ) = fields
+        self.settings = None
 
     def problem(self) -> str | None:
         """Why the scheduler cannot use this output at all, or None.
@@ -86,6 +138,10 @@ class WorkerOutput:
         this is where an output another kvmerge, or a damaged message, made is
         caught, before any of it is merged.
         """
+        if self._packed is not None:
+            self._unpack()
+        if self._damage is not None:
+            return self._damage
         if type(self.rank) is not int or type(self.seq) is not int:
             return f"rank {self.rank!r} / seq {self.seq!r} are not integers"
         families, entries, factors = self.families, self.entries, self.factors
@@ -160,19 +216,36 @@ class WorkerOutput:
             events.extend(entry.decode())
         return events
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_from_wire, self._wire())
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        return (_from_wire, self._wire(protocol))
 
-    def _wire(self) -> tuple[Any, ...]:
-        """The fields as pickled: each encoded batch as the ``PickleBuffer``
-        of its bytes, and the indices of the children that hold one last, for
-        ``_from_wire`` to rebuild them (``EventBatch._from_pickle``). A batch
-        met before in this output travels once: later children hold the index
-        of the first (an out-of-band ``PickleBuffer`` is not memoized). One
-        reconstructor per message, not one per batch: each global an
-        unpickler finds costs an import lookup, which at decode-size steps
-        was most of an output's cost."""
+    def _packed_form(self) -> Any:
+        """This output in one buffer (see ``_pack``), or None when it has
+        settings or an entry that is not a valid batch: those travel as
+        ``_wire``'s tuples."""
+        if self._packed is not None:
+            return self._packed
+        return _pack(
+            self.rank,
+            self.seq,
+            self.settings,
+            self.families,
+            self.entries,
+            self.factors,
+        )
+
+    def _wire(self, protocol: SupportsIndex = 5) -> tuple[Any, ...]:
+        """The fields as pickled: each encoded batch as the ``PickleBuffer`` of
+        its bytes (from protocol 5; before, the batch itself), and the indices
+        of the children that hold one last, for ``_from_wire`` to rebuild them
+        (``EventBatch._from_pickle``). A batch met before in this output
+        travels once: later children hold the index of the first (an
+        out-of-band ``PickleBuffer`` is not memoized). One reconstructor per
+        message, not one per batch: each global an unpickler finds costs an
+        import lookup, which at decode-size steps was most of an output's
+        cost."""
         entries = self.entries
+        out_of_band = index(protocol) >= _OUT_OF_BAND_PROTOCOL
         batches = []
         first: dict[int, int] = {}
         wire: list[Any] = list(entries)
@@ -181,7 +254,7 @@ class WorkerOutput:
                 at = first.get(id(entry))
                 if at is None:
                     first[id(entry)] = i
-                    wire[i] = PickleBuffer(entry)  # type: ignore[arg-type]
+                    wire[i] = PickleBuffer(entry) if out_of_band else entry  # type: ignore[arg-type]
                 else:
                     wire[i] = at
                 batches.append(i)
@@ -215,6 +288,7 @@ def _from_wire(*fields: Any) -> WorkerOutput:
     which never raises either (bad bytes give a batch whose ``error`` says
     why)."""
     output = object.__new__(WorkerOutput)
+    output._packed = output._damage = None
     if len(fields) == 7:
         (
             output.rank,
@@ -344,14 +418,23 @@ class KVMergeKVEvents(KVConnectorKVEvents):
     # ``KVOutputAggregator``), and an empty container must still reach the
     # scheduler so that the worker counts.
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         outputs = self._outputs
+        if len(outputs) == 1 and self._num_workers == 1:
+            # What every worker sends: one output, packed when it can be.
+            packed = (
+                outputs[0]._packed_form() if type(outputs[0]) is WorkerOutput else None
+            )
+            if packed is not None:
+                if index(protocol) >= _OUT_OF_BAND_PROTOCOL:
+                    packed = PickleBuffer(packed)
+                return (_events_from_packed, (packed,))
         if not all(type(o) is WorkerOutput for o in outputs):
             return (KVMergeKVEvents, (tuple(outputs), self._num_workers))
         # One global for the whole message (see WorkerOutput._wire).
         return (
             _events_from_wire,
-            (self._num_workers, tuple(o._wire() for o in outputs)),
+            (self._num_workers, tuple(o._wire(protocol) for o in outputs)),
         )
 
     def __repr__(self) -> str:
@@ -360,8 +443,22 @@ class KVMergeKVEvents(KVConnectorKVEvents):
         )
 
 
+def _events_from_packed(packed: Any) -> KVMergeKVEvents:
+    """``KVMergeKVEvents.__reduce_ex__``'s reconstructor for one packed output:
+    the buffer is kept as it came, unread (``WorkerOutput._packed``). The
+    connector's step reads it where it merges; Python code that reads a
+    field unpacks it first. Never raises."""
+    output = object.__new__(WorkerOutput)
+    output._packed = packed
+    output._damage = None
+    events = object.__new__(KVMergeKVEvents)
+    events._num_workers = 1
+    events._outputs = [output]
+    return events
+
+
 def _events_from_wire(num_workers: Any = 1, outputs: Any = (), *_: Any) -> Any:
-    """``KVMergeKVEvents.__reduce__``'s reconstructor: never raises (see
+    """``KVMergeKVEvents.__reduce_ex__``'s reconstructor: never raises (see
     ``_from_wire``); what is not an output's fields stays as it came, for the
     scheduler to refuse."""
     events = object.__new__(KVMergeKVEvents)

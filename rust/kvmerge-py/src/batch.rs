@@ -129,6 +129,41 @@ fn vouched() -> bool {
     VOUCHED.with(|v| v.get() > 0)
 }
 
+/// The memory of a received buffer, for batches to read: an exact `bytes`
+/// read in place, an immutable exporter's buffer borrowed (vouched-for
+/// read-only ones too, inside `kvmerge.borrow_buffers()`), anything else
+/// copied.
+pub(crate) fn backing_of(buffer: &Bound<'_, PyAny>) -> Result<Box<dyn Backing>, Refusal> {
+    if let Ok(bytes) = buffer.cast_exact::<PyBytes>() {
+        let data = bytes.as_bytes();
+        return Ok(Box::new(HeldBytes {
+            ptr: data.as_ptr(),
+            len: data.len(),
+            _bytes: bytes.clone().unbind(),
+        }));
+    }
+    // Not bytes-like at all: a wrong argument type, as for memoryview().
+    let buf = PyUntypedBuffer::get(buffer).map_err(|_| {
+        Refusal::NotABuffer(format!(
+            "EventBatch.from_buffer needs a bytes-like object, not {}",
+            type_name(buffer)
+        ))
+    })?;
+    if !buf.is_c_contiguous() || buf.item_size() != 1 {
+        return Err(Refusal::Corrupt(
+            "the buffer is not contiguous bytes".into(),
+        ));
+    }
+    if immutable_exporter(buffer) || (buf.readonly() && vouched()) {
+        return Ok(Box::new(Borrowed(buf)));
+    }
+    // Copied with the GIL held, so no Python thread writes meanwhile;
+    // once copied, later writes to the buffer cannot reach the batch.
+    // SAFETY: the export is held, contiguous, `len_bytes` long.
+    let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+    Ok(Box::new(bytes.to_vec()))
+}
+
 #[pyclass(module = "kvmerge", frozen, name = "EventBatch")]
 pub struct PyEventBatch {
     /// The batch; the empty batch when `error` is set (never read then).
@@ -139,7 +174,7 @@ pub struct PyEventBatch {
 }
 
 /// Why a buffer did not make a batch.
-enum Refusal {
+pub(crate) enum Refusal {
     /// Not a buffer at all (`TypeError` from `from_buffer`).
     NotABuffer(String),
     /// A buffer, but not a valid batch (`CorruptBatchError`).
@@ -152,7 +187,7 @@ impl PyEventBatch {
     }
 
     /// A batch unpickled from bad bytes: it only remembers why.
-    fn invalid(message: String) -> Self {
+    pub(crate) fn invalid(message: String) -> Self {
         PyEventBatch {
             inner: Arc::new(Batch::empty()),
             error: Some(message),
@@ -182,41 +217,7 @@ impl PyEventBatch {
                 Some(message) => Err(Refusal::Corrupt(message.clone())),
             };
         }
-        if let Ok(bytes) = buffer.cast_exact::<PyBytes>() {
-            let data = bytes.as_bytes();
-            return Self::validated(
-                py,
-                Box::new(HeldBytes {
-                    ptr: data.as_ptr(),
-                    len: data.len(),
-                    _bytes: bytes.clone().unbind(),
-                }),
-            );
-        }
-        // Not bytes-like at all: a wrong argument type, as for memoryview().
-        let buf = PyUntypedBuffer::get(buffer).map_err(|_| {
-            Refusal::NotABuffer(format!(
-                "EventBatch.from_buffer needs a bytes-like object, not {}",
-                type_name(buffer)
-            ))
-        })?;
-        if !buf.is_c_contiguous() || buf.item_size() != 1 {
-            return Err(Refusal::Corrupt(
-                "the buffer is not contiguous bytes".into(),
-            ));
-        }
-        let borrow = immutable_exporter(buffer) || (buf.readonly() && vouched());
-        let backing: Box<dyn Backing> = if borrow {
-            Box::new(Borrowed(buf))
-        } else {
-            // Copied with the GIL held, so no Python thread writes meanwhile;
-            // once copied, later writes to the buffer cannot reach the batch.
-            // SAFETY: the export is held, contiguous, `len_bytes` long.
-            let bytes =
-                unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
-            Box::new(bytes.to_vec())
-        };
-        Self::validated(py, backing)
+        Self::validated(py, backing_of(buffer)?)
     }
 
     fn validated(py: Python<'_>, backing: Box<dyn Backing>) -> Result<Self, Refusal> {

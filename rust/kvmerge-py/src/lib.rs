@@ -10,6 +10,7 @@ mod errors;
 mod gil;
 mod layout;
 mod merger;
+mod packed;
 mod raw;
 mod schema;
 mod step;
@@ -58,5 +59,7 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(step::_merge_children, m)?)?;
     m.add_function(wrap_pyfunction!(step::_merge_common_step, m)?)?;
     m.add_function(wrap_pyfunction!(step::_expired, m)?)?;
+    m.add_function(wrap_pyfunction!(packed::_pack, m)?)?;
+    m.add_function(wrap_pyfunction!(packed::_unpack, m)?)?;
     Ok(())
 }

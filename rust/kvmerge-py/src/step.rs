@@ -31,6 +31,7 @@ use crate::convert::kind_arg;
 use crate::errors::KVMergeError;
 use crate::gil::is_small;
 use crate::merger::{raw_and_decoded, PyMerger};
+use crate::packed::Packed;
 
 /// What the connector knows of one child once its family and merger are
 /// fixed: its position in each output, the family its batches must have, the
@@ -44,13 +45,22 @@ type Plan<'py> = (
     Option<String>,
 );
 
-/// The fields of one worker output (`WorkerOutput`, checked by the
-/// connector: exact tuples, one entry per child).
+/// One worker output (`WorkerOutput`) as the step reads it: its rank and
+/// its children's entries.
 struct Output<'py> {
     rank: i64,
-    families: Bound<'py, PyTuple>,
-    entries: Bound<'py, PyTuple>,
-    factors: Bound<'py, PyTuple>,
+    entries: Entries<'py>,
+}
+
+/// A worker output's entries: its fields (checked by the connector: exact
+/// tuples, one entry per child), or the buffer it arrived packed in.
+enum Entries<'py> {
+    Fields {
+        families: Bound<'py, PyTuple>,
+        entries: Bound<'py, PyTuple>,
+        factors: Bound<'py, PyTuple>,
+    },
+    Packed(Packed),
 }
 
 /// A worker output of the common shape, read by `_merge_common_step`: its
@@ -75,6 +85,22 @@ impl<'py> Common<'py> {
         if !output.get_type().is(output_type) {
             return None;
         }
+        if let Some(packed) = packed_field(output)? {
+            // Packed: no settings, int rank and `seq` (see `packed`).
+            let packed = Packed::read(&packed).ok()?;
+            if packed.len() != n {
+                return None;
+            }
+            return Some(Common {
+                output: output.clone(),
+                rank: PyInt::new(py, packed.rank),
+                seq: PyInt::new(py, packed.seq),
+                fields: Output {
+                    rank: packed.rank,
+                    entries: Entries::Packed(packed),
+                },
+            });
+        }
         if !output
             .getattr(pyo3::intern!(py, "settings"))
             .ok()?
@@ -85,10 +111,7 @@ impl<'py> Common<'py> {
         let rank = int_field(output, pyo3::intern!(py, "rank"))?;
         let seq = int_field(output, pyo3::intern!(py, "seq"))?;
         let fields = Output::read_with(output, &rank)?;
-        if [&fields.families, &fields.entries, &fields.factors]
-            .iter()
-            .any(|t| t.len() != n)
-        {
+        if fields.len() != n {
             return None;
         }
         Some(Common {
@@ -119,20 +142,45 @@ impl<'py> Common<'py> {
 
 impl<'py> Output<'py> {
     fn read(output: &Bound<'py, PyAny>) -> Option<Output<'py>> {
+        if let Some(packed) = packed_field(output)? {
+            let packed = Packed::read(&packed).ok()?;
+            return Some(Output {
+                rank: packed.rank,
+                entries: Entries::Packed(packed),
+            });
+        }
         let rank = int_field(output, pyo3::intern!(output.py(), "rank"))?;
         Output::read_with(output, &rank)
     }
 
-    /// `read`, the rank already read.
+    /// `read` of an unpacked output, the rank already read.
     fn read_with(output: &Bound<'py, PyAny>, rank: &Bound<'py, PyInt>) -> Option<Output<'py>> {
         let py = output.py();
         let tuple = |name| output.getattr(name).ok()?.cast_into_exact::<PyTuple>().ok();
+        let (families, entries, factors) = (
+            tuple(pyo3::intern!(py, "families"))?,
+            tuple(pyo3::intern!(py, "entries"))?,
+            tuple(pyo3::intern!(py, "factors"))?,
+        );
+        if entries.len() != families.len() || factors.len() != families.len() {
+            return None;
+        }
         Some(Output {
             rank: rank.extract().ok()?,
-            families: tuple(pyo3::intern!(py, "families"))?,
-            entries: tuple(pyo3::intern!(py, "entries"))?,
-            factors: tuple(pyo3::intern!(py, "factors"))?,
+            entries: Entries::Fields {
+                families,
+                entries,
+                factors,
+            },
         })
+    }
+
+    /// How many children this output has entries for.
+    fn len(&self) -> usize {
+        match &self.entries {
+            Entries::Fields { families, .. } => families.len(),
+            Entries::Packed(packed) => packed.len(),
+        }
     }
 
     /// This output's batch for the child of `plan`: its own (valid, of the
@@ -140,26 +188,59 @@ impl<'py> Output<'py> {
     /// batch when the child returned nothing, or None for anything else.
     fn batch(&self, plan: &Plan<'py>, empty: &Arc<Batch>) -> Option<Arc<Batch>> {
         let (index, family, factors, _, _) = plan;
-        let kind = self.families.get_item(*index).ok()?;
-        let entry = self.entries.get_item(*index).ok()?;
-        if kind.is_none() {
-            return entry.is_none().then(|| empty.clone());
-        }
-        let kind = kind.cast_exact::<PyString>().ok()?;
-        if kind.to_str().ok()? != family.to_str().ok()? {
+        if *index >= self.len() {
             return None;
         }
-        let reported = self.factors.get_item(*index).ok()?;
-        if !reported.is_none() && !same_factors(&reported, factors.as_deref()) {
-            return None;
+        match &self.entries {
+            Entries::Packed(packed) => {
+                let Some(kind) = packed.family(*index) else {
+                    // The header holds no batch for a child without a family.
+                    return Some(empty.clone());
+                };
+                if kind != family.to_str().ok()?.as_bytes() {
+                    return None;
+                }
+                if let Some(reported) = packed.factors(*index) {
+                    if factors.as_deref() != Some(reported) {
+                        return None;
+                    }
+                }
+                packed.batch(family.py(), *index).ok().map(Arc::new)
+            }
+            Entries::Fields {
+                families,
+                entries,
+                factors: reported,
+            } => {
+                let kind = families.get_item(*index).ok()?;
+                let entry = entries.get_item(*index).ok()?;
+                if kind.is_none() {
+                    return entry.is_none().then(|| empty.clone());
+                }
+                let kind = kind.cast_exact::<PyString>().ok()?;
+                if kind.to_str().ok()? != family.to_str().ok()? {
+                    return None;
+                }
+                let reported = reported.get_item(*index).ok()?;
+                if !reported.is_none() && !same_factors(&reported, factors.as_deref()) {
+                    return None;
+                }
+                entry
+                    .cast_exact::<PyEventBatch>()
+                    .ok()?
+                    .get()
+                    .valid()
+                    .cloned()
+            }
         }
-        entry
-            .cast_exact::<PyEventBatch>()
-            .ok()?
-            .get()
-            .valid()
-            .cloned()
     }
+}
+
+/// `output._packed`: Some(the buffer) for an output that arrived packed and
+/// has not been unpacked, Some(None) for any other; None if unreadable.
+fn packed_field<'py>(output: &Bound<'py, PyAny>) -> Option<Option<Bound<'py, PyAny>>> {
+    let packed = output.getattr(pyo3::intern!(output.py(), "_packed")).ok()?;
+    Some((!packed.is_none()).then_some(packed))
 }
 
 /// `output.name` when it is exactly an int.
@@ -266,6 +347,10 @@ fn merge_planned<'py>(
     PyList::new(py, results)
 }
 
+/// `_merge_common_step`'s result: the outputs in rank order, their ranks,
+/// and each plan's child merged.
+type CommonStep<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>);
+
 // The connector's whole step in the common case; docs in _kvmerge.pyi. The
 // outputs arrive unchecked: when one is not of the common shape nothing is
 // changed and None tells the caller to check and merge them itself.
@@ -277,7 +362,7 @@ pub fn _merge_common_step<'py>(
     output_type: Bound<'py, PyType>,
     last_seq: Bound<'py, PyDict>,
     misconfigured: Bound<'py, PySet>,
-) -> PyResult<Option<(Bound<'py, PyList>, Bound<'py, PyList>)>> {
+) -> PyResult<Option<CommonStep<'py>>> {
     let mut common: Vec<Common<'py>> = Vec::with_capacity(outputs.len());
     for output in &outputs {
         let Some(read) = Common::read(output, &output_type, plans.len()) else {
@@ -294,8 +379,13 @@ pub fn _merge_common_step<'py>(
     }
     common.sort_by_key(|c| c.fields.rank);
     let ordered = PyList::new(py, common.iter().map(|c| &c.output))?;
+    let ranks = PyList::new(py, common.iter().map(|c| &c.rank))?;
     let fields: Vec<Output<'py>> = common.into_iter().map(|c| c.fields).collect();
-    Ok(Some((ordered, merge_planned(py, Some(&fields), &plans)?)))
+    Ok(Some((
+        ordered,
+        ranks,
+        merge_planned(py, Some(&fields), &plans)?,
+    )))
 }
 
 // The expired counters of these mergers, summed; docs in _kvmerge.pyi.
