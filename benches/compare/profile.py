@@ -6,12 +6,14 @@ step, untimed), medians over the steps:
 
 Scheduler side, path B (``kv_events_output`` as configured):
 
-* ``unpickle``: ``pickle.loads`` of every rank's message, of which
-  ``validate`` is ``EventBatch.from_buffer`` on the same bytes (the check of
-  a received batch: XXH3 over it, the records' spans);
+* ``unpickle``: ``pickle.loads`` of every rank's message (a worker's
+  output arrives packed, one buffer, unread);
 * ``aggregate``: ``KVOutputAggregator.aggregate``;
-* ``update_connector_output``, of which, on standalone mergers fed the same
-  batches: ``merge, output as one batch`` (``Merger.add_all`` +
+* ``update_connector_output``, of which ``validate`` is
+  ``EventBatch.from_buffer`` on each child's batch bytes (the check of a
+  received batch, where the connector's step makes it: XXH3 over it, the
+  records' spans), and, on standalone mergers fed the same batches:
+  ``merge, output as one batch`` (``Merger.add_all`` +
   ``finish_step_batch``: the Rust merge, and the copy of the published
   events into one batch) and ``merge and output`` (``add_all`` +
   ``finish_step_raw()`` or ``finish_step()``: what the connector calls, the
@@ -247,9 +249,9 @@ def profile_case(
             if keep:
                 sb["unpickle"].append(t1 - t0)
                 faults["B"].append(fb)
-                sb["(of which validate)"].append(v1 - v0)
                 sb["aggregate"].append(t2 - t1)
                 sb["update_connector_output"].append(t3 - t2)
+                sb["(of which validate)"].append(v1 - v0)
                 sb["(of which merge, output as one batch)"].append(merge_s)
                 sb[f"(of which merge and output: {output})"].append(out_s[output])
                 sb[f"(merge and output as {other} instead)"].append(out_s[other])
