@@ -260,7 +260,9 @@ def _pack(
     """A worker output's fields in one buffer, as a message carries it: None
     unless it has no settings, an int rank and `seq`, tuples of one entry per
     child, and for each child either nothing (no family, entry nor factors)
-    or a family name, a valid `EventBatch` and no factors or a tuple of ints."""
+    or a family name, a valid `EventBatch` and no factors or a tuple of ints;
+    and unless the buffer would exceed 64 KiB (larger outputs send each
+    batch as its own buffer, without a copy)."""
 
 def _unpack(
     packed: object,

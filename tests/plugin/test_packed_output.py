@@ -138,6 +138,32 @@ def test_outputs_that_do_not_pack_travel_as_fields(change):
     )
 
 
+def test_a_large_output_sends_each_batch_as_its_own_buffer():
+    """Above 64 KiB packing would copy the batches once more on the worker;
+    each batch goes out as its own buffer instead (out of band from 1 MiB)."""
+    big = kvmerge.encode([stored(h) for h in range(1, 3000)])
+    assert big.nbytes > 64 << 10
+    small = kvmerge.encode([stored(1)])
+    for entries, packs in (((big, small), False), ((small, small), True)):
+        output = make_output(0, 1, [("lmcache", e, None) for e in entries])
+        assert (
+            _pack(0, 1, None, output.families, entries, (None, None)) is not None
+        ) == packs
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(
+            KVMergeKVEvents.for_worker(output),
+            protocol=5,
+            buffer_callback=buffers.append,
+        )
+        sizes = sorted(b.raw().nbytes for b in buffers)
+        if packs:
+            assert len(buffers) == 1 and sizes[0] > 2 * small.nbytes
+        else:
+            assert sizes == sorted(e.nbytes for e in entries)
+        (got,) = pickle.loads(data, buffers=buffers)._outputs
+        assert fields(got) == fields(output)
+
+
 @pytest.mark.parametrize("protocol", range(2, pickle.HIGHEST_PROTOCOL + 1))
 def test_every_pickle_protocol(protocol):
     output = make_output(2, 5, [("lmcache", kvmerge.encode([stored(1)]), None)])

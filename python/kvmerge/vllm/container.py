@@ -17,12 +17,13 @@ Pickling (the executor's shm ``MessageQueue`` pickles with the highest protocol
 and a ``buffer_callback``) sends what a worker sends, one output, packed: its
 rank, ``seq``, families, replication factors and batches in one buffer
 (``_pack``; layout in ``rust/kvmerge-py/src/packed.rs``), a protocol-5
-``PickleBuffer`` that travels out of band when large. On receipt the buffer
+``PickleBuffer``. On receipt the buffer
 is kept as it came (``_events_from_packed``): the connector's common step reads
 it in Rust, and Python code that reads a field unpacks it first
 (``WorkerOutput._unpack``). An output that does not pack (its first, with the
 worker's settings; a native child's container; a batch the worker could not
-encode) travels as tuples, each ``EventBatch`` as a ``PickleBuffer`` of its
+encode; over 64 KiB, where packing would copy the batches once more) travels
+as tuples, each ``EventBatch`` as a ``PickleBuffer`` of its
 wire bytes, rebuilt unchecked (``EventBatch._from_pickle``: a damaged one
 remembers why in ``.error``) by ``_from_wire``. Neither reconstructor raises:
 unpickling runs inside vLLM's message queue, where an exception is fatal, and
@@ -221,8 +222,8 @@ class WorkerOutput:
 
     def _packed_form(self) -> Any:
         """This output in one buffer (see ``_pack``), or None when it has
-        settings or an entry that is not a valid batch: those travel as
-        ``_wire``'s tuples."""
+        settings or an entry that is not a valid batch, or is large: those
+        travel as ``_wire``'s tuples."""
         if self._packed is not None:
             return self._packed
         return _pack(

@@ -22,7 +22,8 @@
 //! ```
 //! An output is packed only when all of it fits: no settings, int rank and
 //! `seq`, every entry a valid `EventBatch` (or nothing, for a child without
-//! a family). Anything else travels as the tuples it always did.
+//! a family), at most `PACKED_MAX_BYTES` in all. Anything else travels as
+//! the tuples it always did.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -35,6 +36,12 @@ use crate::batch::{backing_of, PyEventBatch, Refusal};
 use crate::gil::{is_small, without_gil_unless};
 
 const MAGIC: &[u8; 4] = b"KVMO";
+/// The largest output packed. Packing copies the batches once more on the
+/// worker; what it saves on the scheduler (Python objects per output, a few
+/// microseconds) is the same at any size. Above this, the copy costs more
+/// than that, and each batch travels as its own buffer (out of band when
+/// large) instead.
+pub const PACKED_MAX_BYTES: usize = 64 << 10;
 const VERSION: u8 = 1;
 const HEADER_LEN: usize = 26;
 
@@ -325,6 +332,9 @@ pub fn _pack<'py>(
             .iter()
             .map(|c| c.header_len() + c.batch_len())
             .sum::<usize>();
+    if total > PACKED_MAX_BYTES {
+        return Ok(None);
+    }
     let packed = PyBytes::new_with(py, total, |out| {
         let mut at = 0;
         let mut put = |bytes: &[u8]| {
