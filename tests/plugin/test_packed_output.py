@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.vllm_harness import Cluster, child, removed, stored
+from support.vllm_harness import removed, stored
+from test_step_path_hostile import started_cluster
 from vllm.v1.outputs import KVConnectorOutput
 
 import kvmerge
 from kvmerge._kvmerge import _pack, _unpack
 from kvmerge.sim.transport import dequeue, enqueue
-from kvmerge.vllm import KVMergeKVEvents, register
+from kvmerge.vllm import KVMergeKVEvents
 from kvmerge.vllm.config import ENCODED_FAMILIES, FAMILY_NATIVE, FAMILY_REFUSED
 from kvmerge.vllm.container import WorkerOutput, _events_from_packed
 from kvmerge.vllm.settings import WorkerSettings
@@ -249,13 +250,8 @@ def test_random_bytes_are_no_output():
 
 
 def test_a_damaged_output_is_refused_with_its_rank_and_the_others_merged(bus, caplog):
-    register()
-    c = Cluster(
-        [child("UMBPChild", kv_events_merge="any"), child("LMCacheChild")], bus, tp=2
-    )
-    for r in range(2):
-        c.emit(r, 0, [stored(1)])
-    assert c.step() == [stored(1)]  # past start-up: settings checked
+    # UMBP's child under rule "any", LMCache's under "all"; TP 2, started.
+    c = started_cluster(bus)
     # The last byte is LMCache's batch's; 20 bytes hold the rank, not the seq.
     for h, how in ((2, ("flip", -1)), (3, ("truncate", 20))):
         for r in range(2):
