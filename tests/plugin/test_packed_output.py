@@ -166,10 +166,14 @@ def test_a_large_output_sends_each_batch_as_its_own_buffer():
 
 
 @pytest.mark.parametrize("protocol", range(2, pickle.HIGHEST_PROTOCOL + 1))
-def test_every_pickle_protocol(protocol):
+@pytest.mark.parametrize("packs", [True, False], ids=["packed", "fields"])
+def test_every_pickle_protocol(protocol, packs):
     output = make_output(2, 5, [("lmcache", kvmerge.encode([stored(1)]), None)])
+    if not packs:  # a worker's first output carries its settings
+        output.settings = WorkerSettings(kvmerge.__version__, 4, 2, True, ())
     container = KVMergeKVEvents.for_worker(output)
     (got,) = pickle.loads(pickle.dumps(container, protocol=protocol))._outputs
+    assert (got._packed is not None) == packs
     assert fields(got) == fields(output)
 
 

@@ -33,6 +33,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyString, PyTuple};
 
 use crate::batch::{backing_of, PyEventBatch, Refusal};
+use crate::convert::type_name;
 use crate::gil::{is_small, without_gil_unless};
 
 const MAGIC: &[u8; 4] = b"KVMO";
@@ -184,12 +185,7 @@ impl Packed {
             Err(Refusal::NotABuffer(_)) => {
                 return Err(Damage {
                     rank: None,
-                    why: format!(
-                        "a packed output is a {}",
-                        obj.get_type()
-                            .name()
-                            .map_or_else(|_| "?".into(), |n| n.to_string())
-                    ),
+                    why: format!("a packed output is a {}", type_name(obj)),
                 })
             }
             Err(Refusal::Corrupt(why)) => return Err(Damage { rank: None, why }),
