@@ -249,8 +249,10 @@ def test_random_bytes_are_no_output():
     for data in (b"", b"KVMO", b"KVMO\x02\x00\x00\x00" + bytes(40), b"x" * 100):
         output = _events_from_packed(data)._outputs[0]
         assert "damaged" in (output.problem() or "")
-    output = _events_from_packed(object())._outputs[0]
-    assert "damaged" in (output.problem() or "")
+    # What a damaged message could hand the reconstructor instead.
+    for args in ((object(),), (None,), (), (b"", 1, 2)):
+        output = _events_from_packed(*args)._outputs[0]
+        assert "damaged" in (output.problem() or ""), args
 
 
 def test_a_damaged_output_is_refused_with_its_rank_and_the_others_merged(bus, caplog):

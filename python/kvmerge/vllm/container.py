@@ -444,13 +444,14 @@ class KVMergeKVEvents(KVConnectorKVEvents):
         )
 
 
-def _events_from_packed(packed: Any) -> KVMergeKVEvents:
+def _events_from_packed(packed: Any = None, *_: Any) -> KVMergeKVEvents:
     """``KVMergeKVEvents.__reduce_ex__``'s reconstructor for one packed output:
     the buffer is kept as it came, unread (``WorkerOutput._packed``). The
     connector's step reads it where it merges; Python code that reads a
-    field unpacks it first. Never raises."""
+    field unpacks it first. Never raises, whatever a damaged message passes
+    (no buffer at all unpacks as a damaged one)."""
     output = object.__new__(WorkerOutput)
-    output._packed = packed
+    output._packed = b"" if packed is None else packed
     output._damage = None
     events = object.__new__(KVMergeKVEvents)
     events._num_workers = 1
