@@ -53,10 +53,6 @@ _entries_from_pickle = EventBatch._from_pickle_entries  # type: ignore[attr-defi
 #: The first pickle protocol with out-of-band buffers (``PickleBuffer``).
 _OUT_OF_BAND_PROTOCOL = 5
 
-#: ``WorkerOutput``'s fields, which an output that arrived packed sets on
-#: first use.
-_FIELDS = frozenset(("entries", "factors", "families", "rank", "seq", "settings"))
-
 #: What a worker sends for one child: its encoded batch, its own container
 #: (a native child), why the worker could not encode its events (family
 #: ``FAMILY_REFUSED``), or None when the child returned None this step.
@@ -277,6 +273,11 @@ class WorkerOutput:
             for k, p in zip(self.families, self.entries, strict=True)
         )
         return f"<WorkerOutput rank={self.rank} children=[{children}]>"
+
+
+#: ``WorkerOutput``'s fields, which an output that arrived packed sets on
+#: first use.
+_FIELDS = frozenset(WorkerOutput.__slots__) - {"_damage", "_packed"}
 
 
 def _from_wire(*fields: Any) -> WorkerOutput:

@@ -233,9 +233,8 @@ pub(crate) fn raw_and_decoded<'py>(
     if picks.is_empty() {
         return Ok((raws, PyList::empty(py).into_any()));
     }
-    // Their bytes as one msgpack array, decoded in one call: a batch of them
-    // (records, checksum, an `EventBatch` and two views) was a third of
-    // the decode-size step's hook.
+    // Their bytes as one msgpack array, decoded in one call: no batch built
+    // for them first (records, checksum, an `EventBatch` and two views).
     let mut payload = Vec::with_capacity(5 + picks.iter().map(|b| b.len()).sum::<usize>());
     msgpack::write_array_header(&mut payload, picks.len());
     for bytes in picks {

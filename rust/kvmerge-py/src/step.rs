@@ -87,18 +87,15 @@ impl<'py> Common<'py> {
         }
         if let Some(packed) = packed_field(output)? {
             // Packed: no settings, int rank and `seq` (see `packed`).
-            let packed = Packed::read(&packed).ok()?;
-            if packed.len() != n {
+            let (fields, seq) = Output::packed(&packed)?;
+            if fields.len() != n {
                 return None;
             }
             return Some(Common {
                 output: output.clone(),
-                rank: PyInt::new(py, packed.rank),
-                seq: PyInt::new(py, packed.seq),
-                fields: Output {
-                    rank: packed.rank,
-                    entries: Entries::Packed(packed),
-                },
+                rank: PyInt::new(py, fields.rank),
+                seq: PyInt::new(py, seq),
+                fields,
             });
         }
         if !output
@@ -143,14 +140,19 @@ impl<'py> Common<'py> {
 impl<'py> Output<'py> {
     fn read(output: &Bound<'py, PyAny>) -> Option<Output<'py>> {
         if let Some(packed) = packed_field(output)? {
-            let packed = Packed::read(&packed).ok()?;
-            return Some(Output {
-                rank: packed.rank,
-                entries: Entries::Packed(packed),
-            });
+            return Output::packed(&packed).map(|(fields, _)| fields);
         }
         let rank = int_field(output, pyo3::intern!(output.py(), "rank"))?;
         Output::read_with(output, &rank)
+    }
+
+    /// An output that arrived packed in `buffer`, and its `seq`; None when
+    /// the buffer does not read.
+    fn packed(buffer: &Bound<'py, PyAny>) -> Option<(Output<'py>, i64)> {
+        let packed = Packed::read(buffer).ok()?;
+        let (rank, seq) = (packed.rank, packed.seq);
+        let entries = Entries::Packed(packed);
+        Some((Output { rank, entries }, seq))
     }
 
     /// `read` of an unpacked output, the rank already read.
