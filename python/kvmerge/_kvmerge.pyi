@@ -207,7 +207,9 @@ def _merge_children(
     plans: Sequence[
         tuple[int, str, tuple[int, ...] | None, Merger, _EventClass | None] | None
     ],
-) -> list[tuple[list[msgspec.Raw], list[_Event] | None] | KVMergeError | None]:
+) -> list[
+    tuple[list[msgspec.Raw], list[_Event] | None] | KVMergeError | Literal[False] | None
+]:
     """`KVMergeMultiConnector`'s step for its children in the common case.
 
     Per plan (a child's position in each output, its family, replication
@@ -217,9 +219,10 @@ def _merge_children(
     finishes the step, giving its events as `finish_step_raw` does and those
     of the kind decoded (None when no kind is given), or, when those do not
     decode, the `CorruptBatchError` that lost the step's events (returned,
-    not raised). None for a plan that is None, for a child with anything
-    else in an output, and for one whose merger refuses the batches (left
-    unchanged): the caller merges those itself."""
+    not raised). None for a child with anything else in an output, and
+    for one whose merger refuses the batches (left unchanged): the caller
+    merges those itself. For a plan that is None (plans are in child
+    order), False when no output holds anything for its child, else None."""
 
 def _merge_common_step(
     outputs: Sequence[Any],
@@ -233,7 +236,12 @@ def _merge_common_step(
     tuple[
         list[Any],
         list[int],
-        list[tuple[list[msgspec.Raw], list[_Event] | None] | KVMergeError | None],
+        list[
+            tuple[list[msgspec.Raw], list[_Event] | None]
+            | KVMergeError
+            | Literal[False]
+            | None
+        ],
     ]
     | None
 ):

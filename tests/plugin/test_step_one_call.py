@@ -174,6 +174,48 @@ def test_the_common_step_is_one_call(bus, monkeypatch):
     assert hook.invalidated == [removed(h) for h in range(1, 5)]
 
 
+def test_a_child_nothing_was_sent_to_takes_no_step_of_its_own(bus, monkeypatch):
+    """A child no worker sent anything (one without KV events, as most
+    connectors, or one with none yet) has no plan, since kvmerge learns its
+    family from what it sends; its own step would unpack every output to find
+    nothing there, every step. The one call says so, and the child's step
+    is left out until something arrives for it."""
+    register()
+    c = Cluster(
+        [child("SilentChild"), child("LMCacheChild"), child("LMCacheChild")],
+        bus,
+        tp=TP,
+    )
+    own: list[int] = []
+    unpacked: list[int] = []
+    step, unpack = connector_module._Child.step, WorkerOutput._unpack
+
+    def counted(self: Any, *args: Any) -> Any:
+        own.append(self.spec.index)
+        return step(self, *args)
+
+    def counted_unpack(self: WorkerOutput) -> None:
+        unpacked.append(1)
+        unpack(self)
+
+    monkeypatch.setattr(connector_module._Child, "step", counted)
+    monkeypatch.setattr(WorkerOutput, "_unpack", counted_unpack)
+    for h in range(1, 6):
+        for rank in range(TP):
+            c.emit(rank, 1, [stored(h)])
+            # The last child has events from the fourth step on.
+            c.emit(rank, 2, [stored(10 + h)] if h >= 4 else [])
+        assert c.step() == [stored(h)] + ([stored(10 + h)] if h >= 4 else [])
+        # A child's first events resolve it in its own step, which unpacks
+        # the outputs (a worker's first output, with its settings, travels
+        # unpacked); nothing else takes a child's step or unpacks.
+        assert own == {1: [1], 4: [2]}.get(h, [])
+        assert len(unpacked) == (TP if h == 4 else 0)
+        own.clear()
+        unpacked.clear()
+    assert [ch.merger is None for ch in c.scheduler._children] == [True, False, False]
+
+
 class _Forged:
     """A decoder that fails as msgspec does on bytes that are not an event:
     what a forged removal (a worker that rewrote a batch and its checksum)
@@ -227,10 +269,19 @@ class _Subclass(WorkerOutput):
     __slots__ = ()
 
 
-def _output(rank: int, seq: int, odd: dict[str, Any], packed: bool = False) -> Any:
-    """A well-formed output of ``rank`` (children all None), then ``odd``'s
-    fields set as they are; or, ``packed``, as it arrives packed."""
-    output = _from_wire(rank, (None,) * N, (None,) * N, (None,) * N, seq, None)
+def _output(
+    rank: int,
+    seq: int,
+    odd: dict[str, Any],
+    packed: bool = False,
+    held: tuple[bool, ...] = (False,) * N,
+) -> Any:
+    """A well-formed output of ``rank`` (an empty LMCache batch for each
+    child ``held`` says, the others None), then ``odd``'s fields set as they
+    are; or, ``packed``, as it arrives packed."""
+    families = tuple("lmcache" if h else None for h in held)
+    entries = tuple(kvmerge.EventBatch.empty() if h else None for h in held)
+    output = _from_wire(rank, families, entries, (None,) * N, seq, None)
     for name, value in odd.items():
         setattr(output, name, value)
     if packed:
@@ -318,7 +369,14 @@ def _steps(draw: Any) -> tuple[list[Any], dict[int, int], set[int]]:
     last_seq = {r: draw(st.integers(0, 5)) for r in range(WORLD)}
     ranks = draw(st.permutations(range(WORLD)))[: draw(st.integers(1, WORLD))]
     outputs: list[Any] = [
-        _output(r, last_seq[r] + 1, {}, packed=draw(st.booleans())) for r in ranks
+        _output(
+            r,
+            last_seq[r] + 1,
+            {},
+            packed=draw(st.booleans()),
+            held=draw(st.tuples(*[st.booleans()] * N)),
+        )
+        for r in ranks
     ]
     misconfigured: set[int] = set()
     if draw(st.booleans()):
@@ -349,8 +407,9 @@ def _steps(draw: Any) -> tuple[list[Any], dict[int, int], set[int]]:
 @given(step=_steps())
 def test_the_common_step_is_the_common_case_and_only_it(step):
     """``_merge_common_step`` takes a step exactly when the rule says it is
-    the common case: it then records every rank's ``seq`` and orders the
-    outputs by rank; otherwise it changes nothing, for the caller's checks."""
+    the common case: it then records every rank's ``seq``, orders the
+    outputs by rank and says which children nothing was sent to; otherwise
+    it changes nothing, for the caller's checks."""
     outputs, last_seq, misconfigured = step
     before = dict(last_seq)
     expected = _reference_common(outputs, last_seq, misconfigured)
@@ -368,5 +427,12 @@ def test_the_common_step_is_the_common_case_and_only_it(step):
     assert all(o._packed is not None for o in packed)
     assert ordered == sorted(outputs, key=lambda o: o.rank)
     assert ranks == [o.rank for o in ordered]
-    assert results == [None] * N
+    # No plan: False for a child no output holds anything for.
+    fields = [_Fields(o) for o in outputs]
+    assert results == [
+        None
+        if any(f.families[i] is not None or f.entries[i] is not None for f in fields)
+        else False
+        for i in range(N)
+    ]
     assert last_seq == {**before, **{o.rank: o.seq for o in outputs}}

@@ -435,8 +435,8 @@ class KVMergeMultiConnector(MultiConnector):
             #: The mergers' expired counters after the last step (None: to
             #: be summed again, after reset_cache).
             self._expired_total: int | None = None
-            #: Every child's plan, once none of them can change (see
-            #: ``_Child.settled``).
+            #: Every child's plan, until the step of a child not yet settled
+            #: runs (see ``_Child.settled``).
             self._plans: list[_Plan | None] | None = None
             self._children = [
                 _Child(
@@ -573,9 +573,9 @@ class KVMergeMultiConnector(MultiConnector):
         children = self._children
         plans = self._plans
         if plans is None:
-            plans = [child.plan() for child in children]
-            if all(child.settled for child in children):
-                self._plans = plans
+            # Kept until the step of a child not yet settled runs: nothing
+            # else changes a plan.
+            plans = self._plans = [child.plan() for child in children]
         # The common case (every output the next of a known rank, no
         # settings, one entry per child) is checked, ordered and merged in
         # one call; anything else is checked here, output by output.
@@ -598,7 +598,16 @@ class KVMergeMultiConnector(MultiConnector):
         # by their own step, which explains and counts what it drops.
         native: list[Any] = []
         for child, plan, result in zip(children, plans, results, strict=True):
-            if plan is None or result is None:
+            if result is False and child.merger is None:
+                # No worker sent anything to a child with nothing to finish
+                # (no events yet, or no KV events at all, as most
+                # connectors): its step would unpack every output to find
+                # that out, every step.
+                native.append(None)
+                continue
+            if plan is None or result is None or result is False:
+                if not child.settled:
+                    self._plans = None
                 native.append(child.step(ordered, refusals))
                 continue
             if isinstance(result, KVMergeError):

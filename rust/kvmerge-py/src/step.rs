@@ -24,7 +24,7 @@ use std::sync::{Arc, OnceLock};
 
 use kvmerge_core::{Batch, Merger};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
 
 use crate::batch::PyEventBatch;
 use crate::convert::kind_arg;
@@ -185,6 +185,24 @@ impl<'py> Output<'py> {
         }
     }
 
+    /// Whether this output holds nothing for child `index` (the child
+    /// returned None on this worker).
+    fn holds_nothing(&self, index: usize) -> bool {
+        if index >= self.len() {
+            return false;
+        }
+        match &self.entries {
+            // The header holds no batch for a child without a family.
+            Entries::Packed(packed) => packed.family(index).is_none(),
+            Entries::Fields {
+                families, entries, ..
+            } => {
+                families.get_item(index).is_ok_and(|f| f.is_none())
+                    && entries.get_item(index).is_ok_and(|e| e.is_none())
+            }
+        }
+    }
+
     /// This output's batch for the child of `plan`: its own (valid, of the
     /// child's family, reporting no factors or the child's own), the empty
     /// batch when the child returned nothing, or None for anything else.
@@ -330,8 +348,10 @@ pub fn _merge_children<'py>(
     merge_planned(py, outputs.as_deref(), &plans)
 }
 
-/// Each plan's child merged from `outputs` (`merge_child`); None for a plan
-/// that is None, and for every plan when the outputs are not all readable.
+/// Each plan's child merged from `outputs` (`merge_child`). For a plan
+/// that is None (the children's plans are in child order), False when no
+/// output holds anything for its child, else None; None for every plan when
+/// the outputs are not all readable.
 fn merge_planned<'py>(
     py: Python<'py>,
     outputs: Option<&[Output<'py>]>,
@@ -341,8 +361,12 @@ fn merge_planned<'py>(
     let empty = EMPTY.get_or_init(|| Arc::new(Batch::empty()));
     let results = plans
         .iter()
-        .map(|plan| match (plan, outputs) {
+        .enumerate()
+        .map(|(index, plan)| match (plan, outputs) {
             (Some(plan), Some(outputs)) => merge_child(py, outputs, plan, empty),
+            (None, Some(outputs)) if outputs.iter().all(|o| o.holds_nothing(index)) => {
+                Ok(Some(PyBool::new(py, false).to_owned().into_any()))
+            }
             _ => Ok(None),
         })
         .collect::<PyResult<Vec<_>>>()?;
