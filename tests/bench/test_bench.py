@@ -353,6 +353,29 @@ def test_the_fixed_cost_carries_containers_without_events():
     assert mooncake is not None and mooncake["steps"] == 2
 
 
+def test_the_store_children_have_upstreams_removal_hooks():
+    """A store child's stand-in scheduler (``connector_scheduler``) has a
+    removal hook exactly where vLLM's own has one (UMBP's, not Mooncake's).
+    The connector decodes the removals it publishes for a hook: one that
+    upstream lacks would charge path B for work a real deployment skips."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler import (
+        MooncakeStoreScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.scheduler import (
+        UMBPStoreConnectorScheduler,
+    )
+
+    from kvmerge.sim.children import StoreScheduler, UMBPStoreScheduler
+
+    hook = "invalidate_kv_events"
+    assert not hasattr(MooncakeStoreScheduler, hook)
+    assert hasattr(UMBPStoreConnectorScheduler, hook)
+    assert not hasattr(StoreScheduler, hook)
+    assert hasattr(UMBPStoreScheduler, hook)
+    b = PathB(2, ("lmcache", "mooncake", "list"))
+    assert [c.invalidate for c in b.connector._children] == [None, None, None]
+
+
 def test_the_wheel_has_no_bench():
     from kvmerge.cli import SUBCOMMANDS
 

@@ -208,13 +208,12 @@ class ChildSettings:
 
 
 class StoreScheduler:
-    """The store-side scheduler object upstream Mooncake/UMBP methods call
-    (``connector_scheduler``): no store behind it, no events of its own."""
+    """The store-side scheduler object upstream Mooncake methods call
+    (``connector_scheduler``): no store behind it, no events of its own.
+    Like vLLM's ``MooncakeStoreScheduler`` (0.33.0 and 0.34.0) it has no
+    ``invalidate_kv_events``, so the connector decodes no removals for it."""
 
     def update_connector_output(self, connector_output: Any) -> None:
-        return None
-
-    def invalidate_kv_events(self, events: Iterable[KVCacheEvent]) -> None:
         return None
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -222,6 +221,14 @@ class StoreScheduler:
 
     def reset_store(self) -> bool:
         return True
+
+
+class UMBPStoreScheduler(StoreScheduler):
+    """UMBP's: it also drops its own pending events of the blocks workers
+    removed (``invalidate_kv_events``, which the connector feeds)."""
+
+    def invalidate_kv_events(self, events: Iterable[KVCacheEvent]) -> None:
+        return None
 
 
 class SimChild(NoTransfer):
@@ -396,6 +403,12 @@ class SimUMBP(SimChild):
     blocks."""
 
     MEDIUM = MEDIUM_EXTERNAL
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.connector_scheduler = UMBPStoreScheduler()
 
     @classmethod
     def make_container(
