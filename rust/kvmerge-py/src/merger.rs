@@ -173,8 +173,8 @@ impl PyMerger {
         raw_list(py, self.finish_published(py)?.iter())
     }
 
-    // For a hook that reads one kind (the removals Mooncake's and UMBP's
-    // schedulers drop their pending events by): the step's events as views,
+    // For a hook that reads one kind (the removals UMBP's scheduler drops
+    // its pending events by): the step's events as views,
     // as `finish_step_raw`, and only those of `kind` decoded, where
     // `finish_step_batch` copied every event into one batch first. The kind
     // is checked before the step is finished.
