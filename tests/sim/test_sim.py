@@ -9,8 +9,12 @@ NVIDIA Dynamo's indexer following the stream.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
+from kvmerge.sim import routing
 from kvmerge.sim.routing import Match, RouterModel
 from kvmerge.sim.tier import Block, Faults, Removed, Reporter, Stored, Tier
 
@@ -121,6 +125,56 @@ def test_the_router_model_follows_dynamos_tiers():
     m.apply([_stored(1, None), AllBlocksCleared()])
     assert m.match([1]) == Match(0, 0, 0) and not m.tiers["disk"]
     assert m.applied[("cleared", "ok")] == 1
+
+
+class _LaggingIndexer:
+    """Answers lookups as ``behind`` (the events it has not applied yet)
+    until it has answered ``lag`` of them, then as ``caught_up``: the part
+    of a Dynamo indexer ``RouterCheck`` asks (``query(tokens).blocks``)."""
+
+    def __init__(
+        self, behind: RouterModel, caught_up: RouterModel, lag: int, chains: dict
+    ) -> None:
+        self.behind, self.caught_up, self.lag = behind, caught_up, lag
+        self.chains = chains
+        self.queries = 0
+
+    def query(self, tokens: list[int]) -> Any:
+        self.queries += 1
+        model = self.caught_up if self.queries > self.lag else self.behind
+        m = model.match(self.chains[tuple(tokens)])
+        tiers = {"gpu": m.gpu, "cpu": m.cpu, "disk": m.disk}
+        return SimpleNamespace(blocks=lambda instance, tier: tiers[tier])
+
+
+@pytest.mark.parametrize("lag", [0, 3, 22, None])
+def test_a_lookup_is_wrong_only_if_the_indexer_never_catches_up(monkeypatch, lag):
+    """The indexer applies the lower tiers' events after the device tier's,
+    which is all ``sync`` can wait for: a differing answer is asked again
+    until the limit, and counts as wrong only if it still differs then."""
+    monkeypatch.setattr(routing, "SETTLE_S", 0.001)
+    monkeypatch.setattr(routing, "SETTLE_LIMIT_S", 0.05)
+    events = [_stored(1, None), _stored(2, 1, "CPU"), _stored(3, 2, "STORAGE")]
+    rules = RouterModel()
+    rules.apply(events)
+    t = rules.tokens
+    chains = {t[1]: [1], t[1] + t[2]: [1, 2], t[1] + t[2] + t[3]: [1, 2, 3]}
+    # Behind, the indexer holds nothing: every answer differs.
+    never = 10**9
+    indexer = _LaggingIndexer(
+        RouterModel(), rules, never if lag is None else lag, chains
+    )
+    check = routing.RouterCheck(indexer, 1, 4, seed=0)
+    check.learn(events)
+    found = check.ask(rules, 20)
+    assert found.asked == 20
+    if lag is None:
+        assert found.wrong == 20 and len(found.examples) == 3
+    else:
+        assert found.wrong == 0
+        # Each differing answer asked again, until it matches: with a lag of
+        # 22, the first 20 differ, and 2 of them still at the first retry.
+        assert indexer.queries == {0: 20, 3: 23, 22: 42}[lag]
 
 
 # --- whole runs in vLLM's scheduler loop ---------------------------------------------
