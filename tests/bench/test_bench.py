@@ -365,13 +365,14 @@ def test_the_store_children_have_upstreams_removal_hooks():
         UMBPStoreConnectorScheduler,
     )
 
-    from kvmerge.sim.children import StoreScheduler, UMBPStoreScheduler
+    from kvmerge.sim.children import SimMooncake, SimUMBP, StoreScheduler
 
     hook = "invalidate_kv_events"
     assert not hasattr(MooncakeStoreScheduler, hook)
     assert hasattr(UMBPStoreConnectorScheduler, hook)
-    assert not hasattr(StoreScheduler, hook)
-    assert hasattr(UMBPStoreScheduler, hook)
+    assert not hasattr(StoreScheduler, hook)  # the bench's Mooncake child's
+    assert not hasattr(SimMooncake.SCHEDULER, hook)
+    assert hasattr(SimUMBP.SCHEDULER, hook)
     b = PathB(2, ("lmcache", "mooncake", "list"))
     assert [c.invalidate for c in b.connector._children] == [None, None, None]
 

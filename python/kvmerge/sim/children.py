@@ -235,6 +235,8 @@ class SimChild(NoTransfer):
     """Scheduler side: saves; worker side: a tier and this rank's reports."""
 
     MEDIUM: str = MEDIUM_CPU
+    #: What upstream's scheduler-side methods call (``connector_scheduler``).
+    SCHEDULER: type[StoreScheduler] = StoreScheduler
 
     @classmethod
     def reports_store(cls, rank: int, world_size: int) -> bool:
@@ -264,7 +266,7 @@ class SimChild(NoTransfer):
         self._changes: list[Change] = []
         # What the upstream scheduler-side methods use.
         self._kv_cache_events: Any = None
-        self.connector_scheduler = StoreScheduler()
+        self.connector_scheduler = self.SCHEDULER()
 
     # --- scheduler side ------------------------------------------------------
     def update_state_after_alloc(
@@ -403,12 +405,7 @@ class SimUMBP(SimChild):
     blocks."""
 
     MEDIUM = MEDIUM_EXTERNAL
-
-    def __init__(
-        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        self.connector_scheduler = UMBPStoreScheduler()
+    SCHEDULER = UMBPStoreScheduler
 
     @classmethod
     def make_container(

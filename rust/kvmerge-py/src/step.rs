@@ -211,12 +211,12 @@ impl<'py> Output<'py> {
         if *index >= self.len() {
             return None;
         }
+        if self.holds_nothing(*index) {
+            return Some(empty.clone());
+        }
         match &self.entries {
             Entries::Packed(packed) => {
-                let Some(kind) = packed.family(*index) else {
-                    // The header holds no batch for a child without a family.
-                    return Some(empty.clone());
-                };
+                let kind = packed.family(*index)?;
                 if kind != family.to_str().ok()?.as_bytes() {
                     return None;
                 }
@@ -232,11 +232,8 @@ impl<'py> Output<'py> {
                 entries,
                 factors: reported,
             } => {
+                // Not a string (None, with an entry): not of the common shape.
                 let kind = families.get_item(*index).ok()?;
-                let entry = entries.get_item(*index).ok()?;
-                if kind.is_none() {
-                    return entry.is_none().then(|| empty.clone());
-                }
                 let kind = kind.cast_exact::<PyString>().ok()?;
                 if kind.to_str().ok()? != family.to_str().ok()? {
                     return None;
@@ -245,7 +242,9 @@ impl<'py> Output<'py> {
                 if !reported.is_none() && !same_factors(&reported, factors.as_deref()) {
                     return None;
                 }
-                entry
+                entries
+                    .get_item(*index)
+                    .ok()?
                     .cast_exact::<PyEventBatch>()
                     .ok()?
                     .get()
