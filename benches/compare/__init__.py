@@ -62,16 +62,19 @@ def _names(text: str) -> list[str]:
     )
 
 
-def _case(text: str) -> tuple[int, int] | None:
+def _profile_case(text: str) -> tuple[str, int, int] | None:
+    """``[WORKLOAD/]TPxEVENTS`` (the workload uniform unless named), or
+    ``none``."""
     if text == "none":
         return None
+    workload, _, size = text.rpartition("/")
     try:
-        tp, n = (int(x) for x in text.lower().split("x"))
+        tp, n = (int(x) for x in size.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected TPxEVENTS like 8x512: {text!r}"
+            f"expected [WORKLOAD/]TPxEVENTS like 8x512 or clears/8x32: {text!r}"
         ) from None
-    return tp, n
+    return workload or "uniform", tp, n
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,10 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     o.add_argument(
         "--profile",
-        type=_case,
-        default=(8, 512),
-        metavar="TPxEVENTS",
-        help="profile one uniform case phase by phase (default 8x512; 'none' to skip)",
+        type=_profile_case,
+        default=("uniform", 8, 512),
+        metavar="[WORKLOAD/]TPxEVENTS",
+        help="profile one case phase by phase (default 8x512, uniform; "
+        "clears/8x32 names the workload; 'none' to skip)",
     )
 
 
@@ -179,7 +183,7 @@ def run_bench(
     output: str = "raw",
     check: bool = True,
     check_limit: int = 4096,
-    profile: tuple[int, int] | None = None,
+    profile: tuple[str, int, int] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     """Run ``grid``; returns the JSON document (see docs/benchmarks.md)."""
@@ -225,10 +229,12 @@ def run_bench(
     if profile is not None:
         from .profile import profile_case
 
-        log(f"profile tp{profile[0]}/{profile[1]} ...")
+        workload, tp, events = profile
+        log(f"profile {workload}/tp{tp}/{events} ...")
         doc["profile"] = profile_case(
-            profile[0],
-            profile[1],
+            tp,
+            events,
+            workload=workload,
             steps=max(4, min(steps, 10)),
             warmup=warmup,
             seed=seed,
@@ -279,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
     from . import report
     from .workload import PRESETS
 
-    unknown = [w for w in args.workloads if w not in PRESETS]
+    named = [*args.workloads, *(args.profile[:1] if args.profile else ())]
+    unknown = [w for w in named if w not in PRESETS]
     if unknown:
         print(
             f"benches.compare: unknown workload(s) {', '.join(unknown)}; "
@@ -290,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     steps, warmup, profile = args.steps, args.warmup, args.profile
     if args.quick:
         steps, warmup = min(steps, 3), min(warmup, 1)
-        profile = None if args.profile is None else (2, 32)
+        profile = None if args.profile is None else ("uniform", 2, 32)
     out = Path(args.out)
     json_path = Path(args.json) if args.json else out / "bench.json"
     png_path = Path(args.png) if args.png else out / "bench.png"

@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -192,25 +193,70 @@ class PathA(Path):
         return result
 
 
+class EmptyEvents(KVConnectorKVEvents):
+    """The least a rank's KV events can cost vLLM's scheduler side: a
+    container that holds nothing, whose methods do nothing (``Floor`` with
+    ``envelope``)."""
+
+    __slots__ = ()
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        pass
+
+    def aggregate(self) -> EmptyEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        pass
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return []
+
+    def get_number_of_workers(self) -> int:
+        return 1
+
+    def clear_events(self) -> None:
+        pass
+
+
 class Floor:
     """vLLM's scheduler side with no KV events at all: per rank a
     ``ModelRunnerOutput`` without a ``KVConnectorOutput``, the
     ``KVOutputAggregator``, and upstream ``MultiConnector``'s
     ``update_connector_output`` and ``take_events`` over the same children.
     Any path that carries KV events pays at least this per step: the floor
-    under path B's scheduler side (``--profile``)."""
+    under path B's scheduler side (``--profile``).
 
-    def __init__(self, world_size: int, families: Sequence[str]) -> None:
+    With ``envelope``, each rank's message carries an ``EmptyEvents`` in a
+    ``KVConnectorOutput``, as a rank's container travels, and the
+    aggregator combines them; the children then get the output without it,
+    as a merged child of path B gets none. What vLLM charges any event path
+    that sends one container per rank, before it does anything with it."""
+
+    def __init__(
+        self, world_size: int, families: Sequence[str], *, envelope: bool = False
+    ) -> None:
         self.world_size = world_size
+        self.envelope = envelope
         cfg = path_config("MultiConnector", world_size, tuple(families))
         self.multi = _build(cfg, SCHEDULER)
         self.aggregator = KVOutputAggregator.from_connector(self.multi, world_size)
 
     def wires(self) -> list[Wire]:
-        return [enqueue(_wrap(None)) for _ in range(self.world_size)]
+        return [
+            enqueue(_wrap(EmptyEvents() if self.envelope else None))
+            for _ in range(self.world_size)
+        ]
 
     def scheduler(self, wires: Sequence[Wire]) -> list[Any]:
-        return _scheduler_step(self.aggregator, self.multi, wires)
+        if not self.envelope:
+            return _scheduler_step(self.aggregator, self.multi, wires)
+        output = self.aggregator.aggregate([dequeue(w) for w in wires], output_rank=0)
+        kv_out = output.kv_connector_output if output is not None else None
+        if kv_out:
+            kv_out.kv_cache_events = None
+            self.multi.update_connector_output(kv_out)
+        return list(self.multi.take_events())
 
 
 class PathB(Path):

@@ -23,11 +23,15 @@ Scheduler side, path B (``kv_events_output`` as configured):
 
 Scheduler side, the floor (``paths.Floor``): the same steps with no KV
 events at all (vLLM's envelopes, aggregator and upstream ``MultiConnector``
-over the same children): the floor any event path adds its cost to. And
-path B's ``fixed`` cost: a second ``KVMergeMultiConnector`` over the same
-steps with every child's events taken away (each rank still sends its
-container, of empty batches): what B adds to the floor whatever the events,
-per message and per child.
+over the same children). The ``envelope``: the floor with one empty
+container per rank (``paths.EmptyEvents`` in each rank's
+``KVConnectorOutput``, combined by the aggregator): what vLLM charges any
+event path that sends a container per rank, the cost kvmerge's own adds
+to. And path B's ``fixed`` cost: a second ``KVMergeMultiConnector`` over
+the same steps with every child's events taken away (each rank still sends
+its container, of empty batches): what B adds whatever the events, per
+message and per child. Each of the three is timed after an untimed replay
+of path A's step, as B's step follows A's: the same cold caches.
 
 Scheduler side, path A: ``unpickle`` (rebuilds each container's ``Counter``:
 one Python ``__hash__`` per event), ``aggregate`` (``add_events``: a
@@ -88,7 +92,10 @@ def profile_case(
     a = PathA(world_size, cfg.children)
     b = PathB(world_size, cfg.children, output)
     floor = Floor(world_size, cfg.children)
+    envelope = Floor(world_size, cfg.children, envelope=True)
     fixed = PathB(world_size, cfg.children, output)
+    # Replays path A's steps before each of the three above (see the top).
+    cooler = PathA(world_size, cfg.children)
     # Three sets of mergers fed the same reports: the merge alone (output as
     # one batch), the merge with raw output, the merge with object output.
     merger_sets = [
@@ -102,6 +109,7 @@ def profile_case(
     sa: dict[str, list[float]] = defaultdict(list)
     sb: dict[str, list[float]] = defaultdict(list)
     sf: dict[str, list[float]] = defaultdict(list)
+    se: dict[str, list[float]] = defaultdict(list)
     sx: dict[str, list[float]] = defaultdict(list)
     wa: dict[str, list[float]] = defaultdict(list)
     wb: dict[str, list[float]] = defaultdict(list)
@@ -257,15 +265,21 @@ def profile_case(
                 sb[f"(merge and output as {other} instead)"].append(out_s[other])
                 sb["take_events"].append(t4 - t3)
                 sb["total"].append(t4 - t0)
-            # --- scheduler side, the floor (vLLM alone, no KV events) ------------
-            floor_s = _scheduler_time(floor, floor.wires())
-            # --- scheduler side, B's fixed cost (the same steps, no events) ---
+            # --- scheduler side: the floor (vLLM alone, no KV events), the
+            # envelope (one empty container per rank), B's fixed cost (the
+            # same steps, no events) ------------------------------------------
+            floor_s = _after_a(cooler, wires_a, floor, floor.wires())
+            envelope_s = _after_a(cooler, wires_a, envelope, envelope.wires())
             fixed.feed([[[] for _ in ranks] for ranks in step.events])
-            fixed_s = _scheduler_time(
-                fixed, [fixed.worker(rank) for rank in range(world_size)]
+            fixed_s = _after_a(
+                cooler,
+                wires_a,
+                fixed,
+                [fixed.worker(rank) for rank in range(world_size)],
             )
             if keep:
                 sf["total"].append(floor_s)
+                se["total"].append(envelope_s)
                 sx["total"].append(fixed_s)
     finally:
         gc.unfreeze()
@@ -283,6 +297,7 @@ def profile_case(
             "A": sa_med,
             "B": _med(sb),
             "floor": _med(sf),
+            "envelope": _med(se),
             "fixed": _med(sx),
         },
         "worker_per_rank": {"A": wa_med, "B": wb_med},
@@ -292,9 +307,11 @@ def profile_case(
     }
 
 
-def _scheduler_time(path: Any, wires: list[Any]) -> float:
-    """Seconds of one scheduler step of ``path`` (after a garbage
-    collection, untimed)."""
+def _after_a(cooler: Any, wires_a: list[Any], path: Any, wires: list[Any]) -> float:
+    """Seconds of one scheduler step of ``path``, right after path A's
+    scheduler step on ``wires_a`` (untimed, on ``cooler``, a path A of its
+    own) and a garbage collection."""
+    cooler.scheduler(wires_a)
     gc.collect()
     t0 = _clock()
     path.scheduler(wires)
@@ -323,13 +340,24 @@ def format_profile(p: dict[str, Any]) -> str:
                 if k != "total"
             ]
             lines.append(f"  {label}, {path}: total {total:.3f} = " + "; ".join(parts))
-    floor, b = p["scheduler"]["floor"]["total"], p["scheduler"]["B"]["total"]
-    fixed = p["scheduler"]["fixed"]["total"]
+    sched = p["scheduler"]
+    floor, b, fixed = (sched[k]["total"] for k in ("floor", "B", "fixed"))
     lines.append(
-        f"  scheduler side, floor (vLLM alone, no KV events): total {floor:.3f}; "
-        f"B adds {b - floor:.3f} to it, {fixed - floor:.3f} of it fixed "
-        f"(B with no events: total {fixed:.3f})"
+        f"  scheduler side, floor (vLLM alone, no KV events): total {floor:.3f}"
     )
+    envelope = sched.get("envelope", {}).get("total")
+    if envelope is not None:
+        lines.append(
+            "  scheduler side, envelope (the floor with one empty container per "
+            f"rank): total {envelope:.3f}; B adds {b - envelope:.3f} to it, "
+            f"{fixed - envelope:.3f} of it fixed (B with no events: total "
+            f"{fixed:.3f}); A/envelope {sched['A']['total'] / envelope:.0f}x"
+        )
+    else:  # a profile written before the envelope was measured
+        lines.append(
+            f"  B adds {b - floor:.3f} to the floor, {fixed - floor:.3f} of it "
+            f"fixed (B with no events: total {fixed:.3f})"
+        )
     pf = p.get("unpickle_minor_page_faults")
     if pf:
         lines.append(

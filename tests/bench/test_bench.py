@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 import kvmerge
 from benches.compare import build_parser, grid_from_args, main, run_bench
 from benches.compare.check import ChildDiff
-from benches.compare.paths import Floor, PathB
+from benches.compare.paths import EmptyEvents, Floor, PathB
 from benches.compare.runner import Case, run_case
 from benches.compare.workload import Workload, WorkloadConfig, preset
 from kvmerge.sim.transport import OOB_THRESHOLD, dequeue, enqueue
@@ -280,7 +280,7 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     argv = [
         "--tp", "2,4", "--events", "8,16",
         "--workloads", "skewed,clears", "--workload-tp", "2", "--workload-events", "8",
-        "--steps", "2", "--warmup", "1", "--profile", "2x8", "--out", str(out),
+        "--steps", "2", "--warmup", "1", "--profile", "clears/2x8", "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -308,9 +308,11 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
         )
     assert {t["target"].split(":")[0] for t in doc["targets"]}
     assert "profile" in doc and doc["profile"]["scheduler"]["B"]["total"] > 0
-    assert doc["profile"]["scheduler"]["floor"]["total"] > 0
-    assert doc["profile"]["scheduler"]["fixed"]["total"] > 0
+    assert doc["profile"]["case"] == "clears/tp2/8"
+    for part in ("floor", "envelope", "fixed"):
+        assert doc["profile"]["scheduler"][part]["total"] > 0
     assert "floor (vLLM alone, no KV events)" in text
+    assert "envelope (the floor with one empty container per rank)" in text
     assert "fixed (B with no events" in text
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG")
@@ -331,6 +333,33 @@ def test_the_floor_carries_no_kv_events():
     original = child.update_connector_output
     child.update_connector_output = lambda out: (seen.append(out), original(out))
     assert floor.scheduler(wires) == []
+    assert len(seen) == 1 and seen[0].kv_cache_events is None
+
+
+def test_the_envelope_carries_one_empty_container_per_rank():
+    """The envelope is the floor plus what any event path's container costs
+    vLLM: each rank's message holds an ``EmptyEvents`` in its
+    ``KVConnectorOutput``, the aggregator combines them, and the children
+    get the aggregated output without it (as path B's merged children do)."""
+    envelope = Floor(2, ("lmcache", "mooncake"), envelope=True)
+    wires = envelope.wires()
+    received = [dequeue(w).kv_connector_output for w in wires]
+    assert all(type(o.kv_cache_events) is EmptyEvents for o in received)
+    combined = []
+    original_aggregate = envelope.aggregator.aggregate
+
+    def aggregate(outputs, output_rank=0):
+        out = original_aggregate(outputs, output_rank)
+        combined.append(out.kv_connector_output.kv_cache_events)
+        return out
+
+    envelope.aggregator.aggregate = aggregate
+    seen = []
+    child = envelope.multi._connectors[0]
+    original = child.update_connector_output
+    child.update_connector_output = lambda out: (seen.append(out), original(out))
+    assert envelope.scheduler(wires) == []
+    assert len(combined) == 1 and type(combined[0]) is EmptyEvents
     assert len(seen) == 1 and seen[0].kv_cache_events is None
 
 
@@ -418,5 +447,22 @@ def test_bad_arguments():
         p.parse_args(["--tp", "0"])
     with pytest.raises(SystemExit):
         p.parse_args(["--profile", "8by512"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--profile", "clears/8by32"])
     with pytest.raises(SystemExit):  # gone: the model is kvmerge.testing's
         p.parse_args(["--reference", "tests/reference.py"])
+
+
+def test_the_profile_names_its_workload(capsys):
+    """``--profile`` takes a workload before the size (uniform when none is
+    named); an unknown one stops the run before anything is measured."""
+    p = argparse.ArgumentParser()
+    from benches.compare import add_arguments
+
+    add_arguments(p)
+    assert p.parse_args([]).profile == ("uniform", 8, 512)
+    assert p.parse_args(["--profile", "4x16"]).profile == ("uniform", 4, 16)
+    assert p.parse_args(["--profile", "clears/8x32"]).profile == ("clears", 8, 32)
+    assert p.parse_args(["--profile", "none"]).profile is None
+    assert main(["--tp", "2", "--events", "8", "--profile", "nope/2x8"]) == 2
+    assert "unknown workload(s) nope" in capsys.readouterr().err
