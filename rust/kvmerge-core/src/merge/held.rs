@@ -1,19 +1,24 @@
-//! A rank one step late, without a queued report per event (issue 14).
+//! A rank late or silent, without a queued report per event (issue 14).
 //!
 //! Under "all", and "quorum" while every report needs every rank, a step
 //! where some ranks report nothing and the others the same identities
 //! (`hold`), or where the ranks that reported nothing last step now report
 //! what the others did (`complete`), needs no queue: the waiting batches
 //! are held whole, one per rank, and completed as `fast` completes a step.
+//! While the ranks that reported nothing go on reporting nothing, and the
+//! others identical batches (`hold_more`: a rank silent for many steps),
+//! each step's batches are held too, and a step's batches expire whole
+//! `max_pending_steps` steps later (`Merger::expire_held`), as their reports
+//! would: nothing can complete without the silent ranks.
 //! A held batch stands for exactly the queue the general path would have
 //! built from it (every report, at its step, in order); any other step
 //! queues the held batches first (`Merger::expand_held`), and `tests`
 //! checks that both paths publish the same and count the same.
 //!
-//! What makes that hold: the held batches are identical (by identity) and
-//! have no clear, so the queues are prefixes of one sequence (prefix mode)
-//! with no fence; nothing else is pending; and with `max_pending_steps >= 1`
-//! nothing held expires in the step that holds it or the step after.
+//! What makes that hold: each step's held batches are identical (by
+//! identity) and have no clear, so the queues are prefixes of one sequence
+//! (prefix mode) with no fence; nothing else is pending; and with
+//! `max_pending_steps >= 1` nothing held expires in the step that holds it.
 
 use std::sync::Arc;
 
@@ -38,7 +43,7 @@ pub(super) fn finish(m: &mut Merger) -> Option<Published> {
     if m.live == 0 {
         hold(m)
     } else {
-        complete(m)
+        complete(m).or_else(|| hold_more(m))
     }
 }
 
@@ -77,17 +82,21 @@ fn complete(m: &mut Merger) -> Option<Published> {
     if m.queues.iter().any(|q| !q.nodes.is_empty()) {
         return None;
     }
-    let held: Vec<usize> = (0..w).filter(|&r| m.held[r].is_some()).collect();
+    let held: Vec<usize> = (0..w).filter(|&r| !m.held[r].is_empty()).collect();
     let (&first, true) = (held.first()?, held.len() < w) else {
         return None;
     };
-    let h0 = m.held[first].expect("held");
+    if m.held[first].len() != 1 {
+        // Held over several steps: completing one leaves others held.
+        return None;
+    }
+    let h0 = *m.held[first].front().expect("held");
     if h0.step + 1 != m.step {
         return None;
     }
     let pending = m.slots.arc(h0.slot);
     // The late ranks complete the held batches...
-    let late_complete = (0..w).filter(|&r| m.held[r].is_none()).all(|r| {
+    let late_complete = (0..w).filter(|&r| m.held[r].is_empty()).all(|r| {
         m.incoming[r]
             .as_ref()
             .is_some_and(|b| b.identity_column_eq(&pending))
@@ -116,7 +125,7 @@ fn complete(m: &mut Merger) -> Option<Published> {
     }
     // The batches every rank reported the held events in, in rank order.
     let batches: Vec<Arc<Batch>> = (0..w)
-        .map(|r| match m.held[r] {
+        .map(|r| match m.held[r].front() {
             Some(h) => m.slots.arc(h.slot),
             None => m.incoming[r].clone().expect("checked above"),
         })
@@ -128,7 +137,7 @@ fn complete(m: &mut Merger) -> Option<Published> {
     );
     let n = pending.len() as u64;
     for &r in &held {
-        let h = m.held[r].take().expect("held");
+        let h = m.held[r].pop_front().expect("held");
         m.slots.release_n(h.slot, n as u32);
         m.live -= n;
     }
@@ -140,6 +149,43 @@ fn complete(m: &mut Merger) -> Option<Published> {
         }
     }
     Some(out)
+}
+
+/// Batches held and nothing queued; the ranks that hold them report
+/// identical batches again and the others nothing (or nobody reports
+/// anything): those are held too, and the batches of the step
+/// `max_pending_steps` ago expire. Nothing completes in such a step: a
+/// held event needs every rank, and the ranks without held batches have
+/// nothing pending.
+fn hold_more(m: &mut Merger) -> Option<Published> {
+    let w = m.cfg.carriers.world_size;
+    if m.queues.iter().any(|q| !q.nodes.is_empty()) {
+        return None;
+    }
+    let reports = |r: usize| m.incoming[r].as_ref().is_some_and(|b| !b.is_empty());
+    let holding: Vec<usize> = (0..w).filter(|&r| !m.held[r].is_empty()).collect();
+    if holding.is_empty() || (0..w).any(|r| m.held[r].is_empty() && reports(r)) {
+        return None;
+    }
+    if holding.iter().any(|&r| reports(r)) {
+        let first = m.incoming[holding[0]].clone()?;
+        if first.is_empty() || !holdable(m, &first) {
+            return None;
+        }
+        if !holding.iter().all(|&r| {
+            m.incoming[r]
+                .as_ref()
+                .is_some_and(|b| b.identity_column_eq(&first))
+        }) {
+            return None;
+        }
+        for &r in &holding {
+            let batch = m.incoming[r].take().expect("checked above");
+            m.hold_batch(r, batch);
+        }
+    }
+    m.expire_held();
+    Some(Published::new(Vec::new()))
 }
 
 /// A batch that can wait whole: no clear (one segment, with no fence: its

@@ -24,6 +24,7 @@ mod state;
 mod stats;
 mod union;
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 pub use config::{MergerConfig, DEFAULT_MAX_PENDING_STEPS};
@@ -237,7 +238,7 @@ impl Merger {
         self.incoming.iter_mut().for_each(|b| *b = None);
         self.incoming_load = (0, 0);
         self.queues.iter_mut().for_each(Queue::clear);
-        self.held.iter_mut().for_each(|h| *h = None);
+        self.held.iter_mut().for_each(VecDeque::clear);
         self.live = 0;
         self.fenced = 0;
         self.index.clear();

@@ -3,6 +3,7 @@
 //! The rules (`segment`, `prefix`, `union`, `fast`) work on it; the public
 //! operations are in `merge` itself.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::config::MergerConfig;
@@ -25,9 +26,10 @@ pub struct Merger {
     /// The incoming batches' carried bytes and reports (see `Slots::load`).
     pub(super) incoming_load: (u64, u64),
     pub(super) queues: Vec<Queue>,
-    /// Per rank, a batch pending whole instead of queued (see `held`): then
-    /// nothing else is pending on any rank.
-    pub(super) held: Vec<Option<Held>>,
+    /// Per rank, batches pending whole instead of queued, oldest first (see
+    /// `held`): then nothing is queued on any rank, and the ranks that hold
+    /// any hold batches of the same steps.
+    pub(super) held: Vec<VecDeque<Held>>,
     /// Live reports in the queues and the held batches.
     pub(super) live: u64,
     /// Ranks with a fence (a pending clear).
@@ -54,7 +56,7 @@ impl Merger {
             incoming: vec![None; w],
             incoming_load: (0, 0),
             queues: (0..w).map(|_| Queue::default()).collect(),
-            held: vec![None; w],
+            held: (0..w).map(|_| VecDeque::new()).collect(),
             live: 0,
             fenced: 0,
             indexed: false,
@@ -97,18 +99,38 @@ impl Merger {
     pub(super) fn hold_batch(&mut self, rank: usize, batch: Arc<Batch>) {
         let n = batch.len();
         let slot = self.slots.insert(batch, n as u32);
-        self.held[rank] = Some(Held {
+        self.held[rank].push_back(Held {
             slot,
             step: self.step,
         });
         self.live += n as u64;
     }
 
+    /// Drops the held batches made `max_pending_steps` steps ago, as
+    /// `expire` drops their reports from the queues (every report of a
+    /// held batch is live).
+    pub(super) fn expire_held(&mut self) {
+        let horizon = self.cfg.max_pending_steps;
+        for r in 0..self.held.len() {
+            while let Some(h) = self.held[r]
+                .front()
+                .copied()
+                .filter(|h| h.step.saturating_add(horizon) <= self.step)
+            {
+                self.held[r].pop_front();
+                let n = self.slots.arc(h.slot).len() as u64;
+                self.slots.release_n(h.slot, n as u32);
+                self.stats.expired += n;
+                self.live -= n;
+            }
+        }
+    }
+
     /// Queues the held batches' reports, as `enqueue_incoming` would have
     /// in the steps they came (their reports stay live, in their slots).
     pub(super) fn expand_held(&mut self) {
         for rank in 0..self.held.len() {
-            if let Some(h) = self.held[rank].take() {
+            while let Some(h) = self.held[rank].pop_front() {
                 let batch = self.slots.arc(h.slot);
                 self.queue_reports(rank, &batch, h.slot, h.step);
             }

@@ -659,6 +659,126 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A rank silent for many steps (its peers' batches held whole, step
+    /// after step, and expiring whole) publishes and counts what the general
+    /// path and the index do, step by step: silent for a span of up to 40
+    /// steps (sending nothing, or empty batches), then back on time or a
+    /// step late; the others now and then reporting nothing at all or one
+    /// of them something else; every horizon from 0.
+    #[test]
+    fn a_rank_silent_for_many_steps_changes_nothing(
+        seqs in prop::collection::vec(prop::collection::vec(0u8..9, 0..5), 1..45),
+        silent_from in 0usize..10,
+        silent_len in 0usize..40,
+        empty in prop::collection::vec(any::<bool>(), 7),
+        quiet in prop::collection::vec(prop::bool::weighted(0.1), 11),
+        odd in prop::collection::vec(prop::option::weighted(0.05, (0usize..4, prop::collection::vec(0u8..9, 0..3))), 13),
+        late_after in any::<bool>(),
+        quorum in any::<bool>(),
+        pending in 0u64..7,
+        w in 2usize..5,
+    ) {
+        let rule = if quorum { Rule::Quorum } else { Rule::All };
+        let factors = quorum.then(|| vec![1, 2]);
+        let seqs: Vec<Vec<u8>> = if quorum {
+            seqs
+        } else {
+            seqs.into_iter().map(|s| s.into_iter().map(|h| if h == 1 { 3 } else { h }).collect()).collect()
+        };
+        let mut held = merger(w, rule, factors.clone(), pending);
+        let mut prefix = merger(w, rule, factors.clone(), pending);
+        let mut index = merger(w, rule, factors, pending);
+        index.index_only = true;
+        index.indexed = true;
+        let silent = silent_from..silent_from + silent_len;
+        for s in 0..seqs.len() + 2 {
+            let mut adds: Vec<(usize, Vec<Ev>)> = Vec::new();
+            let nobody = quiet[s % quiet.len()];
+            for r in 0..w {
+                let last = r == w - 1;
+                if nobody || (last && silent.contains(&s)) {
+                    if empty[(s + r) % empty.len()] {
+                        adds.push((r, Vec::new()));
+                    }
+                    continue;
+                }
+                let late_here = last && late_after && s >= silent.end;
+                let src = if late_here { s.checked_sub(1) } else { Some(s) };
+                let seq = src.and_then(|k| seqs.get(k)).map_or(&[][..], |q| &q[..]);
+                let mut evs = straggler_events(seq);
+                if let Some((who, extra)) = &odd[s % odd.len()] {
+                    if *who == r {
+                        evs.extend(straggler_events(extra));
+                    }
+                }
+                adds.push((r, evs));
+            }
+            for (r, evs) in adds {
+                let x = Arc::new(batch(&evs));
+                for m in [&mut held, &mut prefix, &mut index] {
+                    m.add(r as i64, x.clone()).unwrap();
+                }
+            }
+            prop_assert_eq!(held.load(), prefix.load(), "step {}", s);
+            let (x, y, z) = (
+                held.finish_step(),
+                prefix.finish_step_general(),
+                index.finish_step_general(),
+            );
+            prop_assert_eq!(ids(&x), ids(&z), "step {}", s);
+            prop_assert_eq!(ids(&y), ids(&z), "step {}", s);
+            prop_assert_eq!(x.payload(), z.payload());
+            prop_assert_eq!(held.stats(), index.stats(), "step {}", s);
+            prop_assert_eq!(prefix.stats(), index.stats(), "step {}", s);
+            prop_assert_eq!(held.load(), prefix.load(), "step {}", s);
+        }
+    }
+}
+
+/// A silent rank's peers' batches are held whole step after step, nothing
+/// queued, and expire whole after `max_pending_steps`; when the rank comes
+/// back, the held batches are queued as the general path would have them.
+#[test]
+fn a_silent_rank_holds_its_peers_batches_whole() {
+    let horizon = 4;
+    let mut m = merger(3, Rule::All, None, horizon);
+    let mut general = merger(3, Rule::All, None, horizon);
+    let step = |s: u8| -> Vec<Ev> { (0..5).map(|i| removed(10 * s + i)).collect() };
+    for s in 0..10u8 {
+        for r in 0..2 {
+            let x = Arc::new(batch(&step(s)));
+            m.add(r, x.clone()).unwrap();
+            general.add(r, x).unwrap();
+        }
+        assert!(ids(&m.finish_step()).is_empty());
+        assert!(ids(&general.finish_step_general()).is_empty());
+        let held = (s as usize + 1).min(horizon as usize);
+        assert!(m.held.iter().take(2).all(|h| h.len() == held), "step {s}");
+        assert!(m.held[2].is_empty() && m.queues.iter().all(|q| q.nodes.is_empty()));
+        assert_eq!(m.stats(), general.stats(), "step {s}");
+        assert_eq!(m.load(), general.load(), "step {s}");
+    }
+    assert_eq!(m.stats().expired, 2 * 5 * (10 - horizon));
+    assert_eq!(m.stats().pending, 2 * 5 * horizon);
+    // Back, with the oldest step still pending: published from the queues.
+    for r in 0..2 {
+        let x = Arc::new(batch(&step(10)));
+        m.add(r, x.clone()).unwrap();
+        general.add(r, x).unwrap();
+    }
+    let x = Arc::new(batch(&step(6)));
+    m.add(2, x.clone()).unwrap();
+    general.add(2, x).unwrap();
+    let (a, b) = (m.finish_step(), general.finish_step_general());
+    assert_eq!(ids(&a), ids_of(&step(6)));
+    assert_eq!(ids(&a), ids(&b));
+    assert!(m.held.iter().all(VecDeque::is_empty));
+    assert_eq!(m.stats(), general.stats());
+}
+
 #[test]
 fn a_late_rank_completes_held_batches() {
     let mut m = merger(3, Rule::All, None, 4);
@@ -673,7 +793,7 @@ fn a_late_rank_completes_held_batches() {
         let late = if s > 0 { step(s - 1) } else { Vec::new() };
         m.add(2, Arc::new(batch(&late))).unwrap();
         let out = m.finish_step();
-        assert!(m.held.iter().take(2).all(Option::is_some), "step {s}");
+        assert!(m.held.iter().take(2).all(|h| h.len() == 1), "step {s}");
         assert!(
             m.queues.iter().all(|q| q.nodes.is_empty()),
             "nothing queued"
@@ -688,7 +808,7 @@ fn a_late_rank_completes_held_batches() {
     // Anything else queues the held batches first: rank 2 silent, then back.
     m.add(0, Arc::new(batch(&step(6)))).unwrap();
     m.finish_step();
-    assert!(m.held.iter().all(Option::is_none));
+    assert!(m.held.iter().all(VecDeque::is_empty));
     m.add(2, Arc::new(batch(&step(5)))).unwrap();
     m.add(1, Arc::new(batch(&step(6)))).unwrap();
     assert_eq!(ids(&m.finish_step()), ids_of(&step(5)));
