@@ -4,8 +4,8 @@
 //! reports), `prefix` ("all", and "quorum" while every report needs every
 //! rank, while the ranks' pending reports are prefixes of one sequence: a
 //! rank late or silent), `union` ("any"), `fast` (nothing pending and
-//! every rank said the same thing) and `held` (a rank a step late, the
-//! others' batches waiting whole).
+//! every rank said the same thing) and `held` (a rank a step late or
+//! silent, the others' batches waiting whole).
 //!
 //! Dependencies go one way: this module uses the rules, the rules use
 //! `state` and the small leaf modules (`report`, `pending`, `published`...),
