@@ -580,6 +580,76 @@ fn straggler_events(seq: &[u8]) -> Vec<Ev> {
         .collect()
 }
 
+/// The three mergers the shortcut properties compare (rule "quorum" with
+/// factors 1 and 2, or "all"): one with its shortcuts (held batches), one
+/// on the general path in prefix mode, one on the index alone; and the
+/// steps' sequences for that rule (factor 2 only exists under "quorum":
+/// its id becomes another of factor 1).
+fn shortcut_general_index(
+    w: usize,
+    quorum: bool,
+    pending: u64,
+    seqs: Vec<Vec<u8>>,
+) -> ([Merger; 3], Vec<Vec<u8>>) {
+    let rule = if quorum { Rule::Quorum } else { Rule::All };
+    let factors = quorum.then(|| vec![1, 2]);
+    let seqs = if quorum {
+        seqs
+    } else {
+        seqs.into_iter()
+            .map(|s| s.into_iter().map(|h| if h == 1 { 3 } else { h }).collect())
+            .collect()
+    };
+    let held = merger(w, rule, factors.clone(), pending);
+    let prefix = merger(w, rule, factors.clone(), pending);
+    let mut index = merger(w, rule, factors, pending);
+    index.index_only = true;
+    index.indexed = true;
+    ([held, prefix, index], seqs)
+}
+
+/// Rank `r`'s events of a step: the shared sequence `seq`, and what the odd
+/// rank of the step (if it is `r`) reports besides.
+fn rank_events(seq: &[u8], odd: &Option<(usize, Vec<u8>)>, r: usize) -> Vec<Ev> {
+    let mut evs = straggler_events(seq);
+    if let Some((who, extra)) = odd {
+        if *who == r {
+            evs.extend(straggler_events(extra));
+        }
+    }
+    evs
+}
+
+/// One step of `shortcut_general_index`'s mergers: each rank's events of
+/// `adds` added to all three, the step finished; publications, counters and
+/// load must agree.
+fn finish_alike(
+    [held, prefix, index]: &mut [Merger; 3],
+    adds: Vec<(usize, Vec<Ev>)>,
+    s: usize,
+) -> std::result::Result<(), TestCaseError> {
+    for (r, evs) in adds {
+        let x = Arc::new(batch(&evs));
+        for m in [&mut *held, &mut *prefix, &mut *index] {
+            m.add(r as i64, x.clone()).unwrap();
+        }
+    }
+    prop_assert_eq!(held.load(), prefix.load(), "step {}", s);
+    let (x, y, z) = (
+        held.finish_step(),
+        prefix.finish_step_general(),
+        index.finish_step_general(),
+    );
+    prop_assert_eq!(ids(&x), ids(&z), "step {}", s);
+    prop_assert_eq!(ids(&y), ids(&z), "step {}", s);
+    prop_assert_eq!(x.payload(), z.payload());
+    prop_assert_eq!(y.payload(), z.payload());
+    prop_assert_eq!(held.stats(), index.stats(), "step {}", s);
+    prop_assert_eq!(prefix.stats(), index.stats(), "step {}", s);
+    prop_assert_eq!(held.load(), prefix.load(), "step {}", s);
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -599,20 +669,7 @@ proptest! {
         pending in 0u64..4,
         w in 1usize..4,
     ) {
-        let rule = if quorum { Rule::Quorum } else { Rule::All };
-        let factors = quorum.then(|| vec![1, 2]);
-        let seqs: Vec<Vec<u8>> = if quorum {
-            seqs
-        } else {
-            // Factor 2 only exists under "quorum"; keep the ids the same.
-            seqs.into_iter().map(|s| s.into_iter().map(|h| if h == 1 { 3 } else { h }).collect()).collect()
-        };
-        // Shortcuts (held batches) / the general path in prefix mode / the index.
-        let mut held = merger(w, rule, factors.clone(), pending);
-        let mut prefix = merger(w, rule, factors.clone(), pending);
-        let mut index = merger(w, rule, factors, pending);
-        index.index_only = true;
-        index.indexed = true;
+        let (mut mergers, seqs) = shortcut_general_index(w, quorum, pending, seqs);
         for s in 0..seqs.len() + 2 {
             let mut adds: Vec<(usize, Vec<Ev>)> = Vec::new();
             for r in 0..w {
@@ -628,33 +685,9 @@ proptest! {
                 let src = if late_here { s.checked_sub(1) } else { Some(s) };
                 // Before its first step, a late rank has nothing to report.
                 let seq = src.and_then(|k| seqs.get(k)).map_or(&[][..], |q| &q[..]);
-                let mut evs = straggler_events(seq);
-                if let Some((who, extra)) = &odd[s % odd.len()] {
-                    if *who == r {
-                        evs.extend(straggler_events(extra));
-                    }
-                }
-                adds.push((r, evs));
+                adds.push((r, rank_events(seq, &odd[s % odd.len()], r)));
             }
-            for (r, evs) in adds {
-                let x = Arc::new(batch(&evs));
-                for m in [&mut held, &mut prefix, &mut index] {
-                    m.add(r as i64, x.clone()).unwrap();
-                }
-            }
-            prop_assert_eq!(held.load(), prefix.load(), "step {}", s);
-            let (x, y, z) = (
-                held.finish_step(),
-                prefix.finish_step_general(),
-                index.finish_step_general(),
-            );
-            prop_assert_eq!(ids(&x), ids(&z), "step {}", s);
-            prop_assert_eq!(ids(&y), ids(&z), "step {}", s);
-            prop_assert_eq!(x.payload(), z.payload());
-            prop_assert_eq!(y.payload(), z.payload());
-            prop_assert_eq!(held.stats(), index.stats());
-            prop_assert_eq!(prefix.stats(), index.stats());
-            prop_assert_eq!(held.load(), prefix.load());
+            finish_alike(&mut mergers, adds, s)?;
         }
     }
 }
@@ -681,18 +714,7 @@ proptest! {
         pending in 0u64..7,
         w in 2usize..5,
     ) {
-        let rule = if quorum { Rule::Quorum } else { Rule::All };
-        let factors = quorum.then(|| vec![1, 2]);
-        let seqs: Vec<Vec<u8>> = if quorum {
-            seqs
-        } else {
-            seqs.into_iter().map(|s| s.into_iter().map(|h| if h == 1 { 3 } else { h }).collect()).collect()
-        };
-        let mut held = merger(w, rule, factors.clone(), pending);
-        let mut prefix = merger(w, rule, factors.clone(), pending);
-        let mut index = merger(w, rule, factors, pending);
-        index.index_only = true;
-        index.indexed = true;
+        let (mut mergers, seqs) = shortcut_general_index(w, quorum, pending, seqs);
         let silent = silent_from..silent_from + silent_len;
         for s in 0..seqs.len() + 2 {
             let mut adds: Vec<(usize, Vec<Ev>)> = Vec::new();
@@ -708,32 +730,9 @@ proptest! {
                 let late_here = last && late_after && s >= silent.end;
                 let src = if late_here { s.checked_sub(1) } else { Some(s) };
                 let seq = src.and_then(|k| seqs.get(k)).map_or(&[][..], |q| &q[..]);
-                let mut evs = straggler_events(seq);
-                if let Some((who, extra)) = &odd[s % odd.len()] {
-                    if *who == r {
-                        evs.extend(straggler_events(extra));
-                    }
-                }
-                adds.push((r, evs));
+                adds.push((r, rank_events(seq, &odd[s % odd.len()], r)));
             }
-            for (r, evs) in adds {
-                let x = Arc::new(batch(&evs));
-                for m in [&mut held, &mut prefix, &mut index] {
-                    m.add(r as i64, x.clone()).unwrap();
-                }
-            }
-            prop_assert_eq!(held.load(), prefix.load(), "step {}", s);
-            let (x, y, z) = (
-                held.finish_step(),
-                prefix.finish_step_general(),
-                index.finish_step_general(),
-            );
-            prop_assert_eq!(ids(&x), ids(&z), "step {}", s);
-            prop_assert_eq!(ids(&y), ids(&z), "step {}", s);
-            prop_assert_eq!(x.payload(), z.payload());
-            prop_assert_eq!(held.stats(), index.stats(), "step {}", s);
-            prop_assert_eq!(prefix.stats(), index.stats(), "step {}", s);
-            prop_assert_eq!(held.load(), prefix.load(), "step {}", s);
+            finish_alike(&mut mergers, adds, s)?;
         }
     }
 }
