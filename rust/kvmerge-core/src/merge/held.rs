@@ -50,27 +50,11 @@ pub(super) fn finish(m: &mut Merger) -> Option<Published> {
 /// Nothing pending, some ranks silent or with nothing to report (an empty
 /// batch queues nothing either), the others identical: hold those.
 fn hold(m: &mut Merger) -> Option<Published> {
-    let present: Vec<usize> = (0..m.incoming.len())
-        .filter(|&r| m.incoming[r].as_ref().is_some_and(|b| !b.is_empty()))
-        .collect();
+    let present: Vec<usize> = (0..m.incoming.len()).filter(|&r| reports(m, r)).collect();
     if present.is_empty() || present.len() == m.incoming.len() {
         return None;
     }
-    let first = m.incoming[present[0]].clone().expect("present");
-    if !holdable(m, &first) {
-        return None;
-    }
-    if !present[1..].iter().all(|&r| {
-        m.incoming[r]
-            .as_ref()
-            .is_some_and(|b| b.identity_column_eq(&first))
-    }) {
-        return None;
-    }
-    for r in present {
-        let batch = m.incoming[r].take().expect("present");
-        m.hold_batch(r, batch);
-    }
+    hold_alike(m, &present)?;
     Some(Published::new(Vec::new()))
 }
 
@@ -162,30 +146,42 @@ fn hold_more(m: &mut Merger) -> Option<Published> {
     if m.queues.iter().any(|q| !q.nodes.is_empty()) {
         return None;
     }
-    let reports = |r: usize| m.incoming[r].as_ref().is_some_and(|b| !b.is_empty());
     let holding: Vec<usize> = (0..w).filter(|&r| !m.held[r].is_empty()).collect();
-    if holding.is_empty() || (0..w).any(|r| m.held[r].is_empty() && reports(r)) {
+    if holding.is_empty() || (0..w).any(|r| m.held[r].is_empty() && reports(m, r)) {
         return None;
     }
-    if holding.iter().any(|&r| reports(r)) {
-        let first = m.incoming[holding[0]].clone()?;
-        if first.is_empty() || !holdable(m, &first) {
-            return None;
-        }
-        if !holding.iter().all(|&r| {
-            m.incoming[r]
-                .as_ref()
-                .is_some_and(|b| b.identity_column_eq(&first))
-        }) {
-            return None;
-        }
-        for &r in &holding {
-            let batch = m.incoming[r].take().expect("checked above");
-            m.hold_batch(r, batch);
-        }
+    if holding.iter().any(|&r| reports(m, r)) {
+        hold_alike(m, &holding)?;
     }
     m.expire_held();
     Some(Published::new(Vec::new()))
+}
+
+/// Whether rank `r` reports anything this step (an empty batch queues
+/// nothing).
+fn reports(m: &Merger, r: usize) -> bool {
+    m.incoming[r].as_ref().is_some_and(|b| !b.is_empty())
+}
+
+/// Holds the incoming batches of `ranks` when each reports the same
+/// identities and they can wait whole; None, nothing changed, otherwise.
+fn hold_alike(m: &mut Merger, ranks: &[usize]) -> Option<()> {
+    let first = m.incoming[*ranks.first()?].clone()?;
+    if first.is_empty() || !holdable(m, &first) {
+        return None;
+    }
+    if !ranks.iter().all(|&r| {
+        m.incoming[r]
+            .as_ref()
+            .is_some_and(|b| b.identity_column_eq(&first))
+    }) {
+        return None;
+    }
+    for &r in ranks {
+        let batch = m.incoming[r].take().expect("checked above");
+        m.hold_batch(r, batch);
+    }
+    Some(())
 }
 
 /// A batch that can wait whole: no clear (one segment, with no fence: its
