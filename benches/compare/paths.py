@@ -112,14 +112,20 @@ def _wrap(container: Any) -> ModelRunnerOutput:
 
 
 def _scheduler_step(
-    aggregator: KVOutputAggregator, connector: Any, wires: Sequence[Wire]
+    aggregator: KVOutputAggregator,
+    connector: Any,
+    wires: Sequence[Wire],
+    *,
+    hand_events: bool = True,
 ) -> list[Any]:
     """vLLM's scheduler side of one step with one connector: every rank's
-    message unpickled, aggregated, handed to the connector, its events
-    drained."""
+    message unpickled, aggregated, handed to the connector (without the
+    aggregated events unless ``hand_events``), its events drained."""
     output = aggregator.aggregate([dequeue(w) for w in wires], output_rank=0)
     kv_out = output.kv_connector_output if output is not None else None
     if kv_out:
+        if not hand_events:
+            kv_out.kv_cache_events = None
         connector.update_connector_output(kv_out)
     return list(connector.take_events())
 
@@ -249,14 +255,7 @@ class Floor:
         ]
 
     def scheduler(self, wires: Sequence[Wire]) -> list[Any]:
-        if not self.envelope:
-            return _scheduler_step(self.aggregator, self.multi, wires)
-        output = self.aggregator.aggregate([dequeue(w) for w in wires], output_rank=0)
-        kv_out = output.kv_connector_output if output is not None else None
-        if kv_out:
-            kv_out.kv_cache_events = None
-            self.multi.update_connector_output(kv_out)
-        return list(self.multi.take_events())
+        return _scheduler_step(self.aggregator, self.multi, wires, hand_events=False)
 
 
 class PathB(Path):
