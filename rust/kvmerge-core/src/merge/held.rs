@@ -30,8 +30,8 @@ use crate::identity::IdentitySet;
 use crate::rule::Rule;
 use crate::schema::EventKind;
 
-/// Holds or completes the step's batches, if the step is one of the two
-/// shapes above; None (nothing changed) otherwise.
+/// Holds or completes the step's batches, if the step is one of the shapes
+/// above; None (nothing changed) otherwise.
 pub(super) fn finish(m: &mut Merger) -> Option<Published> {
     #[cfg(test)]
     if m.index_only {
@@ -41,10 +41,15 @@ pub(super) fn finish(m: &mut Merger) -> Option<Published> {
         return None;
     }
     if m.live == 0 {
-        hold(m)
-    } else {
-        complete(m).or_else(|| hold_more(m))
+        return hold(m);
     }
+    // Both shapes with something pending need all of it held.
+    if m.queues.iter().any(|q| !q.nodes.is_empty()) {
+        return None;
+    }
+    let w = m.cfg.carriers.world_size;
+    let holding: Vec<usize> = (0..w).filter(|&r| !m.held[r].is_empty()).collect();
+    complete(m, &holding).or_else(|| hold_more(m, &holding))
 }
 
 /// Nothing pending, some ranks silent or with nothing to report (an empty
@@ -58,15 +63,11 @@ fn hold(m: &mut Merger) -> Option<Published> {
     Some(Published::new(Vec::new()))
 }
 
-/// Every pending report held; the ranks without a held batch report the
-/// held identities now, the others each a new batch, all identical: the
-/// held events are published and the new batches held.
-fn complete(m: &mut Merger) -> Option<Published> {
+/// Every pending report held (by the ranks `held`); the ranks without a
+/// held batch report the held identities now, the others each a new batch,
+/// all identical: the held events are published and the new batches held.
+fn complete(m: &mut Merger, held: &[usize]) -> Option<Published> {
     let w = m.cfg.carriers.world_size;
-    if m.queues.iter().any(|q| !q.nodes.is_empty()) {
-        return None;
-    }
-    let held: Vec<usize> = (0..w).filter(|&r| !m.held[r].is_empty()).collect();
     let (&first, true) = (held.first()?, held.len() < w) else {
         return None;
     };
@@ -120,38 +121,31 @@ fn complete(m: &mut Merger) -> Option<Published> {
         fast::published(rule, &pending, &mut m.scratch),
     );
     let n = pending.len() as u64;
-    for &r in &held {
+    for &r in held {
         let h = m.held[r].pop_front().expect("held");
         m.slots.release_n(h.slot, n as u32);
         m.live -= n;
     }
     m.stats.consumed += w as u64 * n;
     if !next.is_empty() {
-        for r in held {
-            let batch = m.incoming[r].take().expect("checked above");
-            m.hold_batch(r, batch);
-        }
+        hold_incoming(m, held);
     }
     Some(out)
 }
 
-/// Batches held and nothing queued; the ranks that hold them report
-/// identical batches again and the others nothing (or nobody reports
-/// anything): those are held too, and the batches of the step
+/// Batches held (by the ranks `holding`) and nothing queued; those ranks
+/// report identical batches again and the others nothing (or nobody
+/// reports anything): those are held too, and the batches of the step
 /// `max_pending_steps` ago expire. Nothing completes in such a step: a
 /// held event needs every rank, and the ranks without held batches have
 /// nothing pending.
-fn hold_more(m: &mut Merger) -> Option<Published> {
+fn hold_more(m: &mut Merger, holding: &[usize]) -> Option<Published> {
     let w = m.cfg.carriers.world_size;
-    if m.queues.iter().any(|q| !q.nodes.is_empty()) {
-        return None;
-    }
-    let holding: Vec<usize> = (0..w).filter(|&r| !m.held[r].is_empty()).collect();
     if holding.is_empty() || (0..w).any(|r| m.held[r].is_empty() && reports(m, r)) {
         return None;
     }
     if holding.iter().any(|&r| reports(m, r)) {
-        hold_alike(m, &holding)?;
+        hold_alike(m, holding)?;
     }
     m.expire_held();
     Some(Published::new(Vec::new()))
@@ -177,11 +171,16 @@ fn hold_alike(m: &mut Merger, ranks: &[usize]) -> Option<()> {
     }) {
         return None;
     }
+    hold_incoming(m, ranks);
+    Some(())
+}
+
+/// Holds the incoming batches of `ranks` (each has one).
+fn hold_incoming(m: &mut Merger, ranks: &[usize]) {
     for &r in ranks {
-        let batch = m.incoming[r].take().expect("checked above");
+        let batch = m.incoming[r].take().expect("checked by the caller");
         m.hold_batch(r, batch);
     }
-    Some(())
 }
 
 /// A batch that can wait whole: no clear (one segment, with no fence: its
