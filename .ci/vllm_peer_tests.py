@@ -14,6 +14,12 @@ installed one):
   config renamed ``"KVMergeMultiConnector"``, after vLLM's plugin loader has
   loaded kvmerge's entry point, as in ``vllm serve``.
 
+Offline: vLLM's tests build their configs from ``facebook/opt-125m``,
+whose ``config.json`` alone ``ModelConfig`` needs. ``hf_home`` writes it, from
+``OPT_125M_CONFIG``, into a Hugging Face cache of its own (``HF_HUB_OFFLINE=1``);
+no weights or tokenizer are there, so the tests that need them fail on both
+sides alike.
+
 Every test that passes upstream must pass ours, except those listed in
 docs/vllm.md's table between ``<!-- peer-exceptions -->`` markers (the test,
 the releases it differs on, why). Exits 1 on any other difference, or if a
@@ -27,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -42,6 +47,36 @@ TEST_FILE = "tests/v1/kv_connector/unit/test_multi_connector.py"
 DOC = ROOT / "docs" / "vllm.md"
 MARK = "<!-- peer-exceptions -->"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvmerge"
+#: The model vLLM's tests name, and its ``config.json``: the architecture's
+#: hyperparameters as facebook/opt-125m publishes them (the same numbers are
+#: transformers' ``OPTConfig`` defaults; no file of the model is copied).
+OPT_125M = "facebook/opt-125m"
+OPT_125M_CONFIG = {
+    "_name_or_path": OPT_125M,
+    "activation_dropout": 0.0,
+    "activation_function": "relu",
+    "architectures": ["OPTForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 2,
+    "do_layer_norm_before": True,
+    "dropout": 0.1,
+    "eos_token_id": 2,
+    "ffn_dim": 3072,
+    "hidden_size": 768,
+    "init_std": 0.02,
+    "layerdrop": 0.0,
+    "max_position_embeddings": 2048,
+    "model_type": "opt",
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "pad_token_id": 1,
+    "prefix": "</s>",
+    "torch_dtype": "float16",
+    "transformers_version": "4.21.0.dev0",
+    "use_cache": True,
+    "vocab_size": 50272,
+    "word_embed_proj_dim": 768,
+}
 SUBSTITUTE = (
     "\n# kvmerge: vLLM's plugin loader loads kvmerge's entry point, and the\n"
     "# name MultiConnector means KVMergeMultiConnector in this file.\n"
@@ -124,15 +159,27 @@ def substitute(source: str) -> str:
     return head + SUBSTITUTE + renamed
 
 
+def hf_home(path: Path) -> Path:
+    """A Hugging Face home at ``path`` whose hub cache holds ``OPT_125M``'s
+    ``config.json`` only, in the layout ``huggingface_hub`` reads offline
+    (``refs/main`` naming a snapshot folder)."""
+    repo = path / "hub" / f"models--{OPT_125M.replace('/', '--')}"
+    revision = "0" * 40
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(OPT_125M_CONFIG, indent=2))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return path
+
+
 def run(folder: Path, report: Path) -> dict[str, str]:
     """pytest over the test file; test name -> outcome. Its output goes to a
     log beside the report, printed only if the comparison fails (upstream's
     own failures, e.g. a test that needs model weights, are expected)."""
-    hf_home = folder / "hf-home"
-    shutil.copytree(ROOT.parent / "shared" / "data" / "hf-offline", hf_home)
     env = {
         **os.environ,
-        "HF_HOME": str(hf_home),
+        "HF_HOME": str(hf_home(folder / "hf-home")),
         "HF_HUB_OFFLINE": "1",
         "PYTHONDONTWRITEBYTECODE": "1",
     }
