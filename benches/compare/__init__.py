@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .presets import OTHER_WORKLOADS, PRESETS
+
 if TYPE_CHECKING:
     from .runner import Case
 
@@ -95,9 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workloads",
         type=_names,
-        default=["bytes", "skewed", "clears", "straggler", "silent"],
-        help="other workloads to run (bytes, skewed, clears, straggler, silent; "
-        "'none'; default all five)",
+        default=list(OTHER_WORKLOADS),
+        help=f"other workloads to run ({', '.join(OTHER_WORKLOADS)}; 'none'; "
+        "default all of them)",
     )
     g.add_argument(
         "--workload-tp",
@@ -251,7 +253,7 @@ def grid_from_args(args: argparse.Namespace) -> list[Case]:
 
     if args.quick:
         return [Case("uniform", 2, n) for n in (16, 32)] + [
-            Case(w, 2, 16) for w in ("bytes", "skewed", "clears", "straggler", "silent")
+            Case(w, 2, 16) for w in OTHER_WORKLOADS
         ]
     return default_grid(
         tps=args.tp,
@@ -283,7 +285,6 @@ def run(args: argparse.Namespace) -> int:
     if args.render:
         return render(args.render, args.png)
     from . import report
-    from .workload import PRESETS
 
     named = [*args.workloads, *(args.profile[:1] if args.profile else ())]
     unknown = [w for w in named if w not in PRESETS]
@@ -340,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         if report.plot(png_path, cases):
             print(f"wrote {png_path}")
         else:
-            print("no uniform-workload cases to plot")
+            print("no uniform or one-block cases to plot")
     b_differs = any(
         not d["equal"] for c in cases for d in (c.get("check") or {}).get("B", [])
     )

@@ -148,48 +148,68 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     path.write_text(json.dumps(_clean(doc), indent=1) + "\n")
 
 
+#: The workloads the plot draws, each at every TP it was run at: name, the
+#: line formats of paths A and B, and what the legend says of its events.
+PLOTTED = (
+    ("uniform", "--o", "-s", ""),
+    ("one-block", ":o", ":^", ", one block per event"),
+)
+
+
 def plot(
     path: Path, cases: Sequence[dict[str, Any]], tps: Sequence[int] = (2, 4, 8)
 ) -> bool:
     """Scheduler-side time per step against events per child per rank, for
-    the uniform workload at each TP in ``tps``; both paths, log-log. Returns
-    False when there is nothing to plot."""
+    the ``PLOTTED`` workloads at each TP in ``tps``; both paths, log-log.
+    Returns False when there is nothing to plot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     series = []
-    for tp in tps:
-        pts = sorted(
-            (
-                c["events"],
-                c["summary"]["A"]["scheduler_ms"],
-                c["summary"]["B"]["scheduler_ms"],
+    for workload, a_fmt, b_fmt, shape in PLOTTED:
+        for tp in tps:
+            pts = sorted(
+                (
+                    c["events"],
+                    c["summary"]["A"]["scheduler_ms"],
+                    c["summary"]["B"]["scheduler_ms"],
+                )
+                for c in cases
+                if c["workload"] == workload and c["world_size"] == tp
             )
-            for c in cases
-            if c["workload"] == "uniform" and c["world_size"] == tp
-        )
-        if pts:
-            series.append((tp, pts))
+            if pts:
+                series.append((tp, a_fmt, b_fmt, shape, pts))
     if not series:
         return False
     fig, ax = plt.subplots(figsize=(7.5, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (tp, pts) in enumerate(series):
+    color_of = {tp: colors[i % len(colors)] for i, tp in enumerate(tps)}
+    for tp, a_fmt, b_fmt, shape, pts in series:
         xs = [p[0] for p in pts]
-        color = colors[i % len(colors)]
+        color = color_of[tp]
         ax.plot(
-            xs, [p[1] for p in pts], "--o", color=color, label=f"A vLLM 0.33.0, TP={tp}"
+            xs,
+            [p[1] for p in pts],
+            a_fmt,
+            color=color,
+            label=f"A vLLM 0.33.0, TP={tp}{shape}",
         )
-        ax.plot(xs, [p[2] for p in pts], "-s", color=color, label=f"B kvmerge, TP={tp}")
+        ax.plot(
+            xs,
+            [p[2] for p in pts],
+            b_fmt,
+            color=color,
+            label=f"B kvmerge, TP={tp}{shape}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("events per child connector per rank per step")
     ax.set_ylabel("scheduler-side time per step (ms, median)")
     ax.set_title("KV events, scheduler side: vLLM 0.33.0 (A) vs kvmerge (B)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from time import perf_counter, thread_time
 from typing import Any
 
+from .presets import OTHER_WORKLOADS
 from .workload import Workload, WorkloadConfig, preset
 
 #: The issue's targets.
@@ -66,7 +67,7 @@ class Case:
 def default_grid(
     tps: Sequence[int] = (2, 4, 8),
     events: Sequence[int] = (32, 128, 512, 2048),
-    workloads: Sequence[str] = ("bytes", "skewed", "clears", "straggler", "silent"),
+    workloads: Sequence[str] = OTHER_WORKLOADS,
     workload_tps: Sequence[int] = (8,),
     workload_events: Sequence[int] = (32, 512),
 ) -> list[Case]:

@@ -2,10 +2,11 @@
 events a worker's store reports.
 
 Deterministic per seed. Sizes follow vLLM's offloading connectors: block size
-16, 1-16 block hashes per ``BlockStored`` (16 token ids per hash, drawn from a
-128,256-token vocabulary), about 15% ``BlockRemoved`` (each removes one earlier
-store's hashes). By default every rank reports the same events in the same
-order (TP workers store the same blocks); the knobs skew that:
+16, 1 to ``max_hashes`` (16) block hashes per ``BlockStored`` (16 token ids
+per hash, drawn from a 128,256-token vocabulary), about 15% ``BlockRemoved``
+(each removes one earlier store's hashes). By default every rank reports the
+same events in the same order (TP workers store the same blocks); the knobs
+skew that:
 
 * ``missing``: the fraction of events that 1 to world_size-1 ranks (drawn per
   event) do not report at all;
@@ -20,7 +21,11 @@ order (TP workers store the same blocks); the knobs skew that:
 * ``late_rank``: the last rank reports every event one step late (a
   straggler: each step it reports the step before's events);
 * ``silent_rank``: the last rank reports nothing (its peers' reports wait
-  ``max_pending_steps`` and expire).
+  ``max_pending_steps`` and expire);
+* ``max_hashes``: 1 for one block per ``BlockStored``, as vLLM's Mooncake
+  store reports them.
+
+The named workloads are ``presets.PRESETS``.
 
 Ranks share the event objects of a step (only duplicates are separate
 objects): in vLLM each worker builds its own, but nothing measured depends on
@@ -38,6 +43,8 @@ from typing import Any
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from kvmerge import DEFAULT_MAX_PENDING_STEPS
+
+from .presets import PRESETS
 
 #: Children whose container can carry ``AllBlocksCleared``.
 CLEARABLE = frozenset({"list"})
@@ -221,22 +228,6 @@ class Workload:
         for _ in range(n):
             yield self.next_step()
 
-
-#: Named workloads: knob settings (the sizes come from the grid).
-PRESETS: dict[str, dict[str, Any]] = {
-    # Every rank reports the same events: TP workers storing the same blocks.
-    "uniform": {},
-    "bytes": {"bytes_hashes": True},
-    # 2% of events missing on some ranks, 2% a step late on one rank, 2%
-    # reported twice by one rank.
-    "skewed": {"missing": 0.02, "late": 0.02, "duplicate": 0.02},
-    # A third, list-based child, and a clear every third step.
-    "clears": {"children": ("lmcache", "mooncake", "list"), "clear_every": 3},
-    # The last rank always one step late, or silent: compared with "uniform"
-    # at the same size (the straggler targets).
-    "straggler": {"late_rank": True},
-    "silent": {"silent_rank": True},
-}
 
 #: Unmeasured steps a workload needs first: "silent" is measured with a full
 #: window of pending reports (the connector's max_pending_steps, the default).

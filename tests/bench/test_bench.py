@@ -76,6 +76,73 @@ def test_uniform_workload_sizes():
     assert all(e.group_idx == 0 for e in mooncake[0] if isinstance(e, BlockStored))
 
 
+def test_one_block_per_event():
+    """The "one-block" workload stores one block per ``BlockStored``, as vLLM's
+    Mooncake store reports them; the same number of reports as "uniform"."""
+    one = Workload(preset("one-block", world_size=2, events=400)).next_step()
+    uniform = Workload(preset("uniform", world_size=2, events=400)).next_step()
+    assert one.count() == uniform.count()
+    for child in one.events:
+        stores = [e for e in child[0] if isinstance(e, BlockStored)]
+        assert len(stores) > 300
+        assert all(len(e.block_hashes) == 1 for e in stores)
+        assert all(len(e.token_ids) == 16 for e in stores)
+    sizes = {len(e.block_hashes) for c in uniform.events for e in c[0]}
+    assert min(sizes) == 1 and max(sizes) == 16
+
+
+def test_the_default_grid_runs_every_workload():
+    """Beside the uniform grid, every named workload, one block per event
+    among them, at TP 8 x 32 and x 512."""
+    from benches.compare.presets import PRESETS
+
+    keys = [c.key for c in grid_from_args(build_parser().parse_args([]))]
+    assert keys[:12] == [
+        f"uniform/tp{tp}/{n}" for tp in (2, 4, 8) for n in (32, 128, 512, 2048)
+    ]
+    others = [w for w in PRESETS if w != "uniform"]
+    assert "one-block" in others
+    assert keys[12:] == [f"{w}/tp8/{n}" for w in others for n in (32, 512)]
+    quick = [c.key for c in grid_from_args(build_parser().parse_args(["--quick"]))]
+    assert "one-block/tp2/16" in quick
+
+
+def test_the_plot_draws_one_block_per_event_beside_uniform(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from benches.compare import report
+
+    def case(workload: str, events: int) -> dict:
+        summary = {"scheduler_ms": events / 100}
+        return {
+            "workload": workload,
+            "world_size": 8,
+            "events": events,
+            "summary": {"A": summary, "B": summary},
+        }
+
+    drawn = []
+    original = plt.Axes.plot
+
+    def plot(self, *args, **kwargs):
+        drawn.append(kwargs["label"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Axes, "plot", plot)
+    cases = [case(w, n) for w in ("uniform", "one-block") for n in (32, 512)]
+    assert report.plot(tmp_path / "a.png", cases)
+    assert report.plot(tmp_path / "b.png", cases[2:])
+    assert drawn == [
+        "A vLLM 0.33.0, TP=8",
+        "B kvmerge, TP=8",
+        "A vLLM 0.33.0, TP=8, one block per event",
+        "B kvmerge, TP=8, one block per event",
+        "A vLLM 0.33.0, TP=8, one block per event",
+        "B kvmerge, TP=8, one block per event",
+    ]
+    assert not report.plot(tmp_path / "c.png", [case("bytes", 32)])
+
+
 def test_knob_missing():
     step = Workload(WorkloadConfig(world_size=4, events=200, missing=0.2)).next_step()
     for child in step.events:
