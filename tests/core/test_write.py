@@ -9,7 +9,6 @@ classes do, which the writer leaves to msgspec).
 from __future__ import annotations
 
 import enum
-import sys
 
 import msgspec
 import pytest
@@ -183,10 +182,3 @@ def test_large_batches_written_without_the_gil_match_too(evs):
     assert bytes(kvmerge.encode(many)) == bytes(
         kvmerge.encode([via_msgspec(e) for e in many])
     )
-
-
-def test_lists_and_ints_are_read_in_place_on_this_interpreter():
-    """The fast path is the one these tests exercise (CI runs CPython 3.11;
-    `layout.rs` checks the layout against the API before using it)."""
-    want = "sized" if sys.version_info[:2] == (3, 11) else "tagged"
-    assert kvmerge._kvmerge._layout() == want

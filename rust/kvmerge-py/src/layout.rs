@@ -7,6 +7,11 @@
 //! known (CPython 3.11 to 3.14, the GIL build that loads abi3 modules) and
 //! after reading known objects back at start-up agrees with the API
 //! (`Layout::detect`); anywhere else every read takes the API's path.
+//!
+//! `KVMERGE_ASSUME_LAYOUT` (`sized` or `tagged`) names the layout to assume
+//! instead of the version's, checked all the same; any other value takes the
+//! API's path. The tests assume the other interpreters' layout, to see one
+//! that disagrees fall back (tests/core/test_layout.py).
 
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -28,6 +33,8 @@ const WORD_AT: usize = 16;
 const DIGIT_AT: usize = 24;
 const ITEMS_AT: usize = 24;
 
+const ASSUME: &str = "KVMERGE_ASSUME_LAYOUT";
+
 /// How this interpreter's lists and ints are read: in place as `"sized"`
 /// (3.11) or `"tagged"` (3.12 to 3.14), or None (through the API), so that
 /// tests can tell the fast path is the one they exercise.
@@ -40,14 +47,21 @@ pub fn _layout(py: Python<'_>) -> Option<&'static str> {
 }
 
 impl Layout {
-    /// This interpreter's layout, if it is one of the known ones and reads
-    /// known objects as the API does.
+    /// This interpreter's layout (or the one `KVMERGE_ASSUME_LAYOUT` names),
+    /// if it is one of the known ones and reads known objects as the API does.
     pub fn detect(py: Python<'_>) -> Option<Layout> {
-        let version = py.version_info();
-        let layout = match (version.major, version.minor) {
-            (3, 11) => Layout::Sized,
-            (3, 12..=14) => Layout::Tagged,
-            _ => return None,
+        let layout = match std::env::var_os(ASSUME) {
+            Some(name) if name == "sized" => Layout::Sized,
+            Some(name) if name == "tagged" => Layout::Tagged,
+            Some(_) => return None,
+            None => {
+                let version = py.version_info();
+                match (version.major, version.minor) {
+                    (3, 11) => Layout::Sized,
+                    (3, 12..=14) => Layout::Tagged,
+                    _ => return None,
+                }
+            }
         };
         layout.agrees(py).then_some(layout)
     }
