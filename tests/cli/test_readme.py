@@ -279,3 +279,41 @@ def test_a_fake_option_fails(tmp_path):
     assert [o for m in mentions for o in unknown(m.command, m.options)] == [
         "--no-such-option"
     ]
+
+
+#: The Layout table's rows that name their folder's modules in code spans.
+MODULE_ROWS = {
+    "rust/kvmerge-core/": ("src/", ".rs"),
+    "rust/kvmerge-py/": ("src/", ".rs"),
+    "python/kvmerge/vllm/": ("", ".py"),
+    "python/kvmerge/sim/": ("", ".py"),
+}
+
+
+def layout() -> dict[str, str]:
+    """The README's Layout table: path -> what."""
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and re.fullmatch(r"`[^`]+`", cells[0]):
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def test_the_layout_names_what_exists():
+    rows = layout()
+    assert set(MODULE_ROWS) <= set(rows)
+    assert [p for p in rows if not (ROOT / p).exists()] == []
+    missing = []
+    for path, (sub, suffix) in MODULE_ROWS.items():
+        for name in re.findall(r"`([a-z_]+/?)`", rows[path]):
+            stem = name.rstrip("/")
+            # A module (a file or a folder), or a folder beside the sources.
+            found = [
+                ROOT / path / sub / stem,
+                ROOT / path / sub / (stem + suffix),
+                ROOT / path / stem,
+            ]
+            if not any(f.exists() for f in found):
+                missing.append(f"{path}: `{name}`")
+    assert missing == []
