@@ -3,7 +3,7 @@
 vLLM loads them by name through ``"kv_connector_module_path":
 "benches.compare.children"``, as children of vLLM's own ``MultiConnector``
 (path A) or of ``KVMergeMultiConnector`` (path B). Their worker sides return
-the REAL vLLM 0.33.0 containers, built exactly as the upstream workers build
+the REAL vLLM containers, built exactly as the upstream workers build
 them (``LMCacheConnectorV1`` and ``MooncakeStoreConnector``: create the
 container, ``add_events``); their scheduler sides run the upstream
 connectors' own ``update_connector_output`` and ``take_events``. Only the
@@ -29,32 +29,27 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
-from vllm.distributed.kv_events import KVCacheEvent
-from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
-    LMCacheConnectorV1,
-    LMCacheKVEvents,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
-    MooncakeStoreConnector,
-    MooncakeStoreKVEvents,
-)
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from kvmerge import Rule
 from kvmerge.sim.children import (
     ListKVEvents,
     NoTransfer,
-    StoreScheduler,
     list_container,
     lmcache_container,
     mooncake_container,
+    scheduler_for,
 )
+from kvmerge.vllm.families import BY_NAME
 
 MODULE = __name__
 
-#: child family -> (connector class name in this module, rule kvmerge applies)
+#: child family -> (connector class name in this module, rule kvmerge applies:
+#: a registered family's own, ``kvmerge.vllm.families``; the third-party
+#: list's by its ``kv_events_merge`` override)
 FAMILIES: dict[str, tuple[str, Rule]] = {
-    "lmcache": ("BenchLMCacheConnector", "all"),
-    "mooncake": ("BenchMooncakeConnector", "quorum"),
+    "lmcache": ("BenchLMCacheConnector", BY_NAME["lmcache"].rule),
+    "mooncake": ("BenchMooncakeConnector", BY_NAME["mooncake"].rule),
     "list": ("BenchListConnector", "all"),
 }
 #: Group TP replication factors of the Mooncake child's containers.
@@ -78,30 +73,39 @@ class _Fed(NoTransfer):
         return events
 
 
-class BenchLMCacheConnector(_Fed):
-    def get_kv_connector_kv_cache_events(self) -> LMCacheKVEvents | None:
-        return lmcache_container(self._take_fed())
+class _Upstream(_Fed):
+    """Scheduler side: the family's upstream connector's own methods, over
+    the stand-in of its scheduler half (with the removal hook where the
+    family's has one)."""
 
-    def update_connector_output(self, connector_output) -> None:
-        LMCacheConnectorV1.update_connector_output(self, connector_output)
+    FAMILY: str
 
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return LMCacheConnectorV1.take_events(self)
-
-
-class BenchMooncakeConnector(_Fed):
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.connector_scheduler = StoreScheduler()
-
-    def get_kv_connector_kv_cache_events(self) -> MooncakeStoreKVEvents:
-        return mooncake_container(self._take_fed(), MOONCAKE_FACTORS)
+        info = BY_NAME[self.FAMILY]
+        self._upstream = info.connector_class()
+        if info.scheduler is not None:
+            self.connector_scheduler = scheduler_for(info)()
 
     def update_connector_output(self, connector_output) -> None:
-        MooncakeStoreConnector.update_connector_output(self, connector_output)
+        self._upstream.update_connector_output(self, connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return MooncakeStoreConnector.take_events(self)
+        return self._upstream.take_events(self)
+
+
+class BenchLMCacheConnector(_Upstream):
+    FAMILY = "lmcache"
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return lmcache_container(self._take_fed())
+
+
+class BenchMooncakeConnector(_Upstream):
+    FAMILY = "mooncake"
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents:
+        return mooncake_container(self._take_fed(), MOONCAKE_FACTORS)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

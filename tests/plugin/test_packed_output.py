@@ -26,8 +26,8 @@ import kvmerge
 from kvmerge._kvmerge import _pack, _unpack
 from kvmerge.sim.transport import dequeue, enqueue
 from kvmerge.vllm import KVMergeKVEvents
-from kvmerge.vllm.config import ENCODED_FAMILIES, FAMILY_NATIVE, FAMILY_REFUSED
 from kvmerge.vllm.container import WorkerOutput, _events_from_packed
+from kvmerge.vllm.families import ENCODED, FAMILY_NATIVE, FAMILY_REFUSED
 from kvmerge.vllm.settings import WorkerSettings
 
 pytestmark = pytest.mark.vllm
@@ -37,7 +37,7 @@ events = st.lists(
     max_size=6,
 )
 encoded_child = st.tuples(
-    st.sampled_from(sorted(ENCODED_FAMILIES)),
+    st.sampled_from(sorted(ENCODED)),
     events.map(kvmerge.encode),
     st.one_of(st.none(), st.lists(st.integers(1, 2**63 - 1), min_size=1, max_size=4)),
 ).map(lambda c: (c[0], c[1], None if c[2] is None else tuple(c[2])))

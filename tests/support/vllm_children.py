@@ -2,8 +2,9 @@
 
 Loaded by vLLM's ``KVConnectorFactory`` through
 ``"kv_connector_module_path": "support.vllm_children"``. Their worker sides return the
-REAL vLLM 0.33.0 containers (``LMCacheKVEvents``, ``MooncakeStoreKVEvents``,
-``UMBPStoreKVEvents``), built exactly as the upstream connectors build them,
+REAL vLLM containers of each family (``kvmerge.vllm.families``:
+``LMCacheKVEvents``, ``MooncakeStoreKVEvents``, ``UMBPStoreKVEvents`` where
+the release has it), built exactly as the upstream connectors build them,
 from events a test queues with ``emit``; their scheduler sides reuse the
 upstream connectors' own ``update_connector_output`` / ``take_events``
 functions, so that a child switched to ``"native"`` behaves as upstream. Only
@@ -12,9 +13,12 @@ the transfer engines behind them (LMCache, Mooncake, UMBP) are left out.
 ``ThirdPartyConnector`` has its own container type (unknown to kvmerge, the
 benchmark's ``ListKVEvents``): its events take the native path.
 
-The containers are built by ``kvmerge.bench.children``'s functions, and the
+The containers are built by ``kvmerge.sim.children``'s functions, and the
 abstract methods of a connector that moves no KV come from
-``kvmerge.sim.children.NoTransfer``.
+``kvmerge.sim.children.NoTransfer``. A child of a family the running vLLM
+lacks is defined but unusable there (``FAMILY_OF`` says which family each
+child stands for; ``support.vllm_harness.child`` skips a test that asks for
+one).
 """
 
 from __future__ import annotations
@@ -28,16 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
-    LMCacheConnectorV1,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
-    MooncakeStoreConnector,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (
-    UMBPStoreConnector,
-    UMBPStoreKVEvents,
-)
 
 from kvmerge.sim.children import (
     ListKVEvents,
@@ -45,7 +39,9 @@ from kvmerge.sim.children import (
     list_container,
     lmcache_container,
     mooncake_container,
+    umbp_container,
 )
+from kvmerge.vllm.families import BY_NAME
 
 
 @dataclass
@@ -124,19 +120,33 @@ class _Scripted(NoTransfer):
         )
 
 
-class LMCacheChild(_Scripted):
-    """Worker: None when there are no events, else an ``LMCacheKVEvents``
-    (``LMCacheConnectorV1.get_kv_connector_kv_cache_events``)."""
+class _Family(_Scripted):
+    """Scheduler side: the family's upstream connector's own
+    ``update_connector_output`` / ``take_events``."""
 
-    def make_container(self, events):
-        return lmcache_container(events)
+    FAMILY: str
+
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._upstream = BY_NAME[self.FAMILY].connector_class()
 
     def update_connector_output(self, connector_output) -> None:
         self._record(connector_output)
-        LMCacheConnectorV1.update_connector_output(self, connector_output)  # type: ignore[arg-type]
+        self._upstream.update_connector_output(self, connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return LMCacheConnectorV1.take_events(self)  # type: ignore[arg-type]
+        events: Iterable[KVCacheEvent] = self._upstream.take_events(self)
+        return events
+
+
+class LMCacheChild(_Family):
+    """Worker: None when there are no events, else an ``LMCacheKVEvents``
+    (``LMCacheConnectorV1.get_kv_connector_kv_cache_events``)."""
+
+    FAMILY = "lmcache"
+
+    def make_container(self, events):
+        return lmcache_container(events)
 
 
 class _RecordingScheduler:
@@ -158,9 +168,11 @@ class _RecordingScheduler:
         return events
 
 
-class MooncakeChild(_Scripted):
+class MooncakeChild(_Family):
     """Worker: always a ``MooncakeStoreKVEvents``, empty or not, with the group
     TP replication factors from ``test_factors`` (default ``[1]``)."""
+
+    FAMILY = "mooncake"
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -173,17 +185,12 @@ class MooncakeChild(_Scripted):
     def make_container(self, events):
         return mooncake_container(events, self.factors)
 
-    def update_connector_output(self, connector_output) -> None:
-        self._record(connector_output)
-        MooncakeStoreConnector.update_connector_output(self, connector_output)  # type: ignore[arg-type]
 
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return MooncakeStoreConnector.take_events(self)  # type: ignore[arg-type]
-
-
-class UMBPChild(_Scripted):
+class UMBPChild(_Family):
     """Worker: always a ``UMBPStoreKVEvents``. Scheduler: upstream UMBP logic,
     with scheduler-side events queued by ``scheduler_emit``."""
+
+    FAMILY = "umbp"
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -196,14 +203,7 @@ class UMBPChild(_Scripted):
         self.connector_scheduler.own_events.extend(events)
 
     def make_container(self, events):
-        return UMBPStoreKVEvents(events)
-
-    def update_connector_output(self, connector_output) -> None:
-        self._record(connector_output)
-        UMBPStoreConnector.update_connector_output(self, connector_output)  # type: ignore[arg-type]
-
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return UMBPStoreConnector.take_events(self)  # type: ignore[arg-type]
+        return umbp_container(events)
 
 
 class SilentChild(_Scripted):
@@ -241,3 +241,51 @@ class ThirdPartyConnector(_Scripted):
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self.pending = self.pending, []
         return events
+
+
+#: The family each family's child stands for, by class name.
+FAMILY_OF: dict[str, str] = {
+    cls.__name__: cls.FAMILY for cls in (LMCacheChild, MooncakeChild, UMBPChild)
+}
+
+
+class HookListChild(_Scripted):
+    """A third-party child whose scheduler half has the removal hook (as
+    UMBP's): a list container, merged by an override (``"any"`` stands in for
+    UMBP on a vLLM without the family); its scheduler half's own events,
+    queued by ``scheduler_emit``, are published after the merged ones."""
+
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.connector_scheduler = _RecordingScheduler()
+        self.pending: list[KVCacheEvent] = []
+
+    def idle(self):
+        return []
+
+    def scheduler_emit(self, events: Sequence[KVCacheEvent]) -> None:
+        self.connector_scheduler.own_events.extend(events)
+
+    def make_container(self, events):
+        return list_container(events)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._record(connector_output)
+        self.connector_scheduler.update_connector_output(connector_output)
+        self.pending.extend(self.connector_scheduler.take_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self.pending = self.pending, []
+        return events
+
+
+class FooKVEvents(ListKVEvents):
+    """A container of no registered family (``test_families`` registers one
+    for it for the length of a test)."""
+
+
+class FooChild(ThirdPartyConnector):
+    """``ThirdPartyConnector`` whose worker side returns ``FooKVEvents``."""
+
+    def make_container(self, events):
+        return FooKVEvents(events)

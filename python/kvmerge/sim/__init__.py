@@ -23,6 +23,9 @@ Importing this package imports no vLLM; its modules do.
 
 from typing import Final
 
-#: The simulated connector families (``kvmerge.sim.children.FAMILY``), in
-#: their default order.
-FAMILIES: Final = ("lmcache", "mooncake", "umbp")
+from kvmerge.vllm.families import available_names
+
+#: The simulated connector families (``kvmerge.sim.children.FAMILY``) of the
+#: running vLLM, in their default order: the families of
+#: ``kvmerge.vllm.families`` whose module it has (found without importing it).
+FAMILIES: Final = available_names()

@@ -11,18 +11,20 @@ concerned, and moves no KV:
   the model runner waits for the save, and returns the changes as the REAL
   vLLM container of the family, with this rank's ``Faults`` applied.
 
-=================  ========================  ======  ==========================
-child              container                 rule    who reports what
-=================  ========================  ======  ==========================
-``SimLMCache``     ``LMCacheKVEvents``       all     every rank; None when it
-                                                     has nothing to report
-``SimMooncake``    ``MooncakeStoreKVEvents`` quorum  stores: the ranks that
-                                                     write a replica (group 0
-                                                     replicated ``factor``
-                                                     times); removals: every
-                                                     rank
-``SimUMBP``        ``UMBPStoreKVEvents``     any     every rank the same
-=================  ========================  ======  ==========================
+==================  ======================================================
+child               who reports what
+==================  ======================================================
+``SimLMCache``      every rank; None when it has nothing to report
+``SimMooncake``     stores: the ranks that write a replica (group 0
+                    replicated ``factor`` times); removals: every rank
+``SimUMBP``         every rank the same (a pool shared by the ranks)
+==================  ======================================================
+
+Each stands for one family of ``kvmerge.vllm.families``, whose entry gives its
+container, its rule, its medium and whether its scheduler half has a removal
+hook (``SimChild.FAMILY``). ``FAMILY`` holds those the running vLLM has: a
+family its release lacks (UMBP before vLLM 0.33) is absent, and its child
+class, though defined, never imports the family's module.
 
 Their scheduler sides also carry the upstream connectors' own
 ``update_connector_output`` / ``take_events``, so that a child set to
@@ -38,9 +40,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import msgspec
 from vllm.distributed.kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_STORAGE,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -51,54 +52,49 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
-    LMCacheConnectorV1,
-    LMCacheKVEvents,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
-    MooncakeStoreConnector,
-    MooncakeStoreKVEvents,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (
-    UMBPStoreConnector,
-    UMBPStoreKVEvents,
-)
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvmerge import Rule
 from kvmerge.vllm.config import MERGE_KEY, ChildRule
+from kvmerge.vllm.families import BY_NAME, FamilyInfo
 
 from . import FAMILIES
 from .model import child_entry
+from .record import RECORD_KEY, Recorder
 from .tier import Block, Chain, Change, Faults, Reporter, Stored, Tier
 
 MODULE: Final = __name__
-#: A pool outside the host: the tier name Dynamo's router uses for it.
-MEDIUM_EXTERNAL: Final = "EXTERNAL"
 #: The key of a child's settings in its ``kv_connector_extra_config``.
 EXTRA_KEY: Final = "kvmerge_sim"
 
 
-def lmcache_container(events: list[KVCacheEvent]) -> LMCacheKVEvents | None:
+def lmcache_container(events: list[KVCacheEvent]) -> KVConnectorKVEvents | None:
     """``LMCacheConnectorV1.get_kv_connector_kv_cache_events``, from events:
     None when there are none."""
     if not events:
         return None
-    container = LMCacheKVEvents(num_workers=1)
+    container: KVConnectorKVEvents = BY_NAME["lmcache"].container_class()(num_workers=1)
     container.add_events(events)
     return container
 
 
 def mooncake_container(
     events: list[KVCacheEvent], factors: tuple[int, ...] = (1,)
-) -> MooncakeStoreKVEvents:
+) -> KVConnectorKVEvents:
     """``MooncakeStoreConnector.get_kv_connector_kv_cache_events``: always a
     container, empty or not (it counts the worker), with the group TP
     replication ``factors``."""
-    container = MooncakeStoreKVEvents(
+    container: KVConnectorKVEvents = BY_NAME["mooncake"].container_class()(
         num_workers=1, group_tp_replication_factors=factors
     )
     container.add_events(events)
+    return container
+
+
+def umbp_container(events: list[KVCacheEvent]) -> KVConnectorKVEvents:
+    """``UMBPStoreConnector.get_kv_connector_kv_cache_events``: always a
+    container of the events."""
+    container: KVConnectorKVEvents = BY_NAME["umbp"].container_class()(events)
     return container
 
 
@@ -177,11 +173,14 @@ class SaveMeta(KVConnectorMetadata):
 class ChildSettings:
     """A simulated child's settings, under ``EXTRA_KEY`` in its
     ``kv_connector_extra_config`` (``entry`` writes them): its position among
-    the children (its faults' seed), its tier's capacity, its faults."""
+    the children (its faults' seed), its tier's capacity, its faults, and
+    the folder its ranks record their reports in (``kvmerge.sim.record``),
+    if any."""
 
     index: int
     capacity: int
     faults: Faults
+    record: str | None = None
 
     def to_extra(self) -> dict[str, Any]:
         return {
@@ -189,6 +188,7 @@ class ChildSettings:
                 "index": self.index,
                 "capacity": self.capacity,
                 "faults": self.faults.to_extra(),
+                RECORD_KEY: self.record,
             }
         }
 
@@ -204,14 +204,15 @@ class ChildSettings:
             index=int(d.get("index", 0)),
             capacity=int(d["capacity"]),
             faults=Faults.from_extra(d.get("faults") or {}),
+            record=d.get(RECORD_KEY),
         )
 
 
 class StoreScheduler:
-    """The store-side scheduler object upstream Mooncake methods call
-    (``connector_scheduler``): no store behind it, no events of its own.
-    Like vLLM's ``MooncakeStoreScheduler`` (0.33.0 and 0.34.0) it has no
-    ``invalidate_kv_events``, so the connector decodes no removals for it."""
+    """The store-side scheduler object upstream store connectors' methods call
+    (``connector_scheduler``): no store behind it, no events of its own, and
+    no ``invalidate_kv_events`` (vLLM's ``MooncakeStoreScheduler`` has none),
+    so the connector decodes no removals for it."""
 
     def update_connector_output(self, connector_output: Any) -> None:
         return None
@@ -223,20 +224,38 @@ class StoreScheduler:
         return True
 
 
-class UMBPStoreScheduler(StoreScheduler):
-    """UMBP's: it also drops its own pending events of the blocks workers
-    removed (``invalidate_kv_events``, which the connector feeds)."""
+class HookScheduler(StoreScheduler):
+    """A scheduler half with the removal hook (UMBP's): it drops its own
+    pending events of the blocks workers removed (``invalidate_kv_events``,
+    which the connector feeds)."""
 
     def invalidate_kv_events(self, events: Iterable[KVCacheEvent]) -> None:
         return None
 
 
-class SimChild(NoTransfer):
-    """Scheduler side: saves; worker side: a tier and this rank's reports."""
+def scheduler_for(info: FamilyInfo) -> type[StoreScheduler]:
+    """The stand-in for a family's scheduler half: with the hook where the
+    family's has one."""
+    return HookScheduler if info.hook else StoreScheduler
 
-    MEDIUM: str = MEDIUM_CPU
+
+class SimChild(NoTransfer):
+    """Scheduler side: saves; worker side: a tier and this rank's reports.
+
+    A subclass names its family (``class SimFoo(SimChild, family="foo")``):
+    its medium, its scheduler half's stand-in and the upstream connector whose
+    scheduler-side methods it runs come from the family's entry."""
+
+    #: The family this child stands for (``kvmerge.vllm.families``).
+    FAMILY: str
+    MEDIUM: str
     #: What upstream's scheduler-side methods call (``connector_scheduler``).
     SCHEDULER: type[StoreScheduler] = StoreScheduler
+
+    def __init_subclass__(cls, family: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        info = BY_NAME[family]
+        cls.FAMILY, cls.MEDIUM, cls.SCHEDULER = family, info.medium, scheduler_for(info)
 
     @classmethod
     def reports_store(cls, rank: int, world_size: int) -> bool:
@@ -267,6 +286,13 @@ class SimChild(NoTransfer):
         # What the upstream scheduler-side methods use.
         self._kv_cache_events: Any = None
         self.connector_scheduler = self.SCHEDULER()
+        self._was_reset = False
+        self.recorder = (
+            None
+            if self.settings.record is None
+            else Recorder(self.settings.record, self.settings.index, self.rank)
+        )
+        self._upstream = BY_NAME[self.FAMILY].connector_class()
 
     # --- scheduler side ------------------------------------------------------
     def update_state_after_alloc(
@@ -313,6 +339,14 @@ class SimChild(NoTransfer):
         self._chains.clear()
         return True
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        # The family's own scheduler-side logic (what "native" publishes).
+        self._upstream.update_connector_output(self, connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events: Iterable[KVCacheEvent] = self._upstream.take_events(self)
+        return events
+
     # --- worker side -----------------------------------------------------------
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
@@ -322,14 +356,23 @@ class SimChild(NoTransfer):
             self.tier.clear()
             self.reporter.reset()
             self._changes = []
+            self._was_reset = True
         self._changes.extend(self.tier.save(meta.chains))
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         changes, self._changes = self._changes, []
-        reports = self.reporter.report(self.step, changes)
-        self.step += 1
+        step, self.step = self.step, self.step + 1
+        reports = self.reporter.report(step, changes)
         own = events(type(self), self.rank, self.world_size, self.block_size, reports)
-        return self.make_container(self.world_size, own)
+        container = self.make_container(self.world_size, own)
+        read = list(container.get_all_events()) if container is not None else []
+        damaged = bool(read) and self.reporter.damages(step)
+        if self.recorder is not None:
+            self.recorder.write(step, self._was_reset, damaged, read)
+        self._was_reset = False
+        if damaged:
+            container = self.make_container(self.world_size, damage(read))
+        return container
 
     @classmethod
     def make_container(
@@ -339,23 +382,15 @@ class SimChild(NoTransfer):
         raise NotImplementedError
 
 
-class SimLMCache(SimChild):
+class SimLMCache(SimChild, family="lmcache"):
     """LMCache's events: ``LMCacheKVEvents``, None when there are none;
     medium ``CPU`` (LMCache's local CPU backend)."""
-
-    MEDIUM = MEDIUM_CPU
 
     @classmethod
     def make_container(
         cls, world_size: int, events: list[KVCacheEvent]
-    ) -> LMCacheKVEvents | None:
+    ) -> KVConnectorKVEvents | None:
         return lmcache_container(events)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        LMCacheConnectorV1.update_connector_output(self, connector_output)
-
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return LMCacheConnectorV1.take_events(self)
 
 
 #: The Mooncake child's group 0 replication factor, when the world allows it.
@@ -368,15 +403,13 @@ def mooncake_factors(world_size: int) -> tuple[int, ...]:
     return (REPLICAS,) if world_size % REPLICAS == 0 else (1,)
 
 
-class SimMooncake(SimChild):
+class SimMooncake(SimChild, family="mooncake"):
     """The Mooncake store's events: ``MooncakeStoreKVEvents`` always, with the
     group replication factors; a replicated block is written (and its store
     reported) by one rank of each replica set. Medium ``STORAGE`` (vLLM's
     ``MEDIUM_STORAGE``; vLLM's own Mooncake store worker writes ``"cpu"`` in
     lower case, which routers that match media exactly, Dynamo's among them,
     drop)."""
-
-    MEDIUM = MEDIUM_STORAGE
 
     @classmethod
     def reports_store(cls, rank: int, world_size: int) -> bool:
@@ -386,38 +419,27 @@ class SimMooncake(SimChild):
     @classmethod
     def make_container(
         cls, world_size: int, events: list[KVCacheEvent]
-    ) -> MooncakeStoreKVEvents:
+    ) -> KVConnectorKVEvents:
         return mooncake_container(events, mooncake_factors(world_size))
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        MooncakeStoreConnector.update_connector_output(self, connector_output)
 
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return MooncakeStoreConnector.take_events(self)
-
-
-class SimUMBP(SimChild):
-    """UMBP's events: a pool shared by the ranks, ``UMBPStoreKVEvents``.
-
-    Medium ``EXTERNAL``, a tier routers know (Dynamo's external tier): vLLM's
-    own UMBP worker writes ``CPU``, which would put its blocks in the same
-    router tier as LMCache's, where each one's evictions remove the other's
-    blocks."""
-
-    MEDIUM = MEDIUM_EXTERNAL
-    SCHEDULER = UMBPStoreScheduler
+class SimUMBP(SimChild, family="umbp"):
+    """UMBP's events: a pool shared by the ranks, ``UMBPStoreKVEvents``, medium
+    ``EXTERNAL`` (a tier routers know: Dynamo's external tier)."""
 
     @classmethod
     def make_container(
         cls, world_size: int, events: list[KVCacheEvent]
-    ) -> UMBPStoreKVEvents:
-        return UMBPStoreKVEvents(events)
+    ) -> KVConnectorKVEvents:
+        return umbp_container(events)
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        UMBPStoreConnector.update_connector_output(self, connector_output)
 
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return UMBPStoreConnector.take_events(self)
+def damage(events: Sequence[KVCacheEvent]) -> list[KVCacheEvent]:
+    """``events`` with the first one's block hashes sent as text: what a
+    worker bug might send, and what kvmerge's worker side cannot encode."""
+    first, *rest = events
+    text = [str(h) for h in getattr(first, "block_hashes", ())]
+    return [msgspec.structs.replace(first, block_hashes=text), *rest]
 
 
 def events(
@@ -455,24 +477,32 @@ def events(
 
 @dataclass(frozen=True)
 class Family:
-    """A simulated family: its child class, the rule kvmerge applies to its
-    container, the faults its ranks show, and its tier's default capacity
-    (blocks: the families differ in size, so their tiers differ in content)."""
+    """A simulated family: its child class, the faults its ranks show, and
+    its tier's default capacity (blocks: the families differ in size, so
+    their tiers differ in content). Its rule is the family's
+    (``kvmerge.vllm.families``)."""
 
     cls: type[SimChild]
-    rule: Rule
     faults: Mapping[str, bool]
     capacity: int
 
+    @property
+    def rule(self) -> Rule:
+        return BY_NAME[self.cls.FAMILY].rule
+
 
 _ALL_FAULTS: Final = {"late": True, "lost": True, "repeat": True}
-FAMILY: Final = {
-    "lmcache": Family(SimLMCache, "all", _ALL_FAULTS, 96),
-    "mooncake": Family(SimMooncake, "quorum", _ALL_FAULTS, 192),
+#: Every registered family's simulated child (its test child: a family
+#: without one fails tests/plugin/test_families.py).
+SIMULATED: Final = {
+    "lmcache": Family(SimLMCache, _ALL_FAULTS, 96),
+    "mooncake": Family(SimMooncake, _ALL_FAULTS, 192),
     # A pool shared by the ranks: they report the same events.
-    "umbp": Family(SimUMBP, "any", {"repeat": True}, 32),
+    "umbp": Family(SimUMBP, {"repeat": True}, 32),
 }
-assert tuple(FAMILY) == FAMILIES
+#: The simulated families of the running vLLM, in ``kvmerge.sim.FAMILIES``'
+#: order.
+FAMILY: Final = {name: SIMULATED[name] for name in FAMILIES if name in SIMULATED}
 
 
 def entry(
@@ -483,12 +513,15 @@ def entry(
     seed: int = 0,
     faults: bool = True,
     rule: ChildRule | None = None,
+    damage: int = 0,
+    record: str | None = None,
 ) -> dict[str, Any]:
     """A ``connectors`` entry for the simulated child of ``family``; ``rule``
-    overrides kvmerge's (``"native"``: vLLM's own path)."""
+    overrides kvmerge's (``"native"``: vLLM's own path); ``damage`` and
+    ``record`` as in ``Faults`` and ``ChildSettings``."""
     k = FAMILY[family]
-    f = Faults(seed=seed, **(k.faults if faults else {}))
-    extra = ChildSettings(index, capacity or k.capacity, f).to_extra()
+    f = Faults(seed=seed, damage=damage, **(k.faults if faults else {}))
+    extra = ChildSettings(index, capacity or k.capacity, f, record).to_extra()
     if rule is not None:
         extra[MERGE_KEY] = rule
     return child_entry(k.cls.__name__, MODULE, extra)

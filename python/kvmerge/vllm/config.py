@@ -2,17 +2,9 @@
 child gets, and the settings behind it.
 
 A child's rule comes from its ``kv_connector_extra_config["kv_events_merge"]``
-when set, else from the type of the container its worker side returns:
-
-=========================  ==========  =========================================
-container                  rule        notes
-=========================  ==========  =========================================
-``LMCacheKVEvents``        ``"all"``
-``MooncakeStoreKVEvents``  ``"quorum"`` factors: the container's group TP
-                                       replication factors
-``UMBPStoreKVEvents``      ``"any"``
-anything else              ``"native"`` the child's own container and methods
-=========================  ==========  =========================================
+when set, else from the family of the container its worker side returns
+(``kvmerge.vllm.families``: each family's default rule); a container of no
+known family is passed through, ``"native"``.
 
 The worker and the scheduler read the same configuration, so both sides agree
 on which children are encoded and which carry the child's own container.
@@ -20,12 +12,13 @@ on which children are encoded and which carry the child's own container.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias, TypeGuard, get_args
 
 from kvmerge import DEFAULT_MAX_PENDING_STEPS, RULES, ConfigError, Rule
+
+from .families import Family, default_rule
 
 #: Keys read from a child's ``kv_connector_extra_config``.
 MERGE_KEY: Final = "kv_events_merge"
@@ -50,78 +43,6 @@ def is_merged(rule: str | None) -> TypeGuard[Rule]:
     return rule in RULES
 
 
-#: The family of a child's container, as the worker records it for each child
-#: (plain strings: they travel pickled in every ``WorkerOutput``).
-Family: TypeAlias = Literal["lmcache", "mooncake", "umbp", "other", "native", "refused"]
-FAMILY_LMCACHE: Final = "lmcache"
-FAMILY_MOONCAKE: Final = "mooncake"
-FAMILY_UMBP: Final = "umbp"
-#: An unknown container whose events were encoded because of an override.
-FAMILY_OTHER: Final = "other"
-#: The child's own container, carried as is.
-FAMILY_NATIVE: Final = "native"
-#: The worker could not encode the child's events: the entry says why.
-FAMILY_REFUSED: Final = "refused"
-#: Kinds whose child carries an ``EventBatch``.
-ENCODED_FAMILIES: Final[frozenset[Family]] = frozenset(
-    {FAMILY_LMCACHE, FAMILY_MOONCAKE, FAMILY_UMBP, FAMILY_OTHER}
-)
-
-_KNOWN_CONTAINERS: Final[tuple[tuple[str, str, Family], ...]] = (
-    (
-        "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
-        "LMCacheKVEvents",
-        FAMILY_LMCACHE,
-    ),
-    (
-        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector",
-        "MooncakeStoreKVEvents",
-        FAMILY_MOONCAKE,
-    ),
-    (
-        "vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector",
-        "UMBPStoreKVEvents",
-        FAMILY_UMBP,
-    ),
-)
-
-INFERRED_RULES: Final[Mapping[Family, ChildRule]] = {
-    FAMILY_LMCACHE: "all",
-    FAMILY_MOONCAKE: "quorum",
-    FAMILY_UMBP: "any",
-    FAMILY_OTHER: "native",
-    FAMILY_NATIVE: "native",
-}
-
-
-def container_family(container: object) -> Family:
-    """The family of a child's container: one of the known vLLM types, else other.
-
-    Looks the classes up in ``sys.modules`` instead of importing them: a
-    container of a class can only exist once the class's module is loaded, so
-    this costs no import and still honours subclasses.
-    """
-    for module_name, class_name, family in _KNOWN_CONTAINERS:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None) if module is not None else None
-        if cls is not None and isinstance(container, cls):
-            return family
-    return FAMILY_OTHER
-
-
-def container_factors(container: object, connector: object) -> tuple[int, ...] | None:
-    """The group TP replication factors a Mooncake store container carries.
-
-    ``MooncakeStoreKVEvents`` keeps them in a private attribute (vLLM 0.33.0 has
-    no accessor); the worker connector exposes the same tuple publicly.
-    """
-    factors = getattr(container, "_group_tp_replication_factors", None)
-    if factors is None:
-        worker = getattr(connector, "connector_worker", None)
-        factors = getattr(worker, "group_tp_replication_factors", None)
-    return None if factors is None else tuple(int(f) for f in factors)
-
-
 @dataclass(frozen=True)
 class ChildSpec:
     """What the configuration says about one child, by position."""
@@ -141,7 +62,7 @@ class ChildSpec:
         """The rule this child merges with, given its container family:
         the configured one, else the one the family implies (the worker, which
         decides whose bytes travel, and the scheduler must agree)."""
-        return self.rule or INFERRED_RULES[family]
+        return self.rule or default_rule(family)
 
     @property
     def encodes(self) -> bool | None:

@@ -45,22 +45,23 @@ from kvmerge._kvmerge import _expired, _merge_children, _merge_common_step
 from .alias import MODULE_PATH, UPSTREAM_NAME
 from .config import (
     FACTORS_KEY,
-    FAMILY_MOONCAKE,
-    FAMILY_NATIVE,
-    FAMILY_OTHER,
-    FAMILY_REFUSED,
     MERGE_KEY,
     ChildSpec,
-    Family,
     Mode,
     MultiSpec,
     Output,
-    container_factors,
-    container_family,
     is_merged,
     parse_multi,
 )
 from .container import KVMergeKVEvents, WorkerOutput
+from .families import (
+    BY_NAME,
+    FAMILY_NATIVE,
+    FAMILY_REFUSED,
+    Family,
+    container_family,
+    default_rule,
+)
 from .incidents import Incidents
 from .log import get_logger
 from .native import combine_native
@@ -482,14 +483,15 @@ class KVMergeMultiConnector(MultiConnector):
             family = container_family(container)
             encode = spec.encodes
             if encode is None:
-                encode = family != FAMILY_OTHER
+                encode = is_merged(default_rule(family))
             if not encode:
                 families[i], entries[i] = FAMILY_NATIVE, container
                 continue
             if not self._events_enabled:
                 continue
-            if family == FAMILY_MOONCAKE:
-                factors[i] = container_factors(container, connector)
+            info = BY_NAME.get(family)
+            if info is not None and info.factors is not None:
+                factors[i] = info.factors.read(container, connector)
             events = container.get_all_events()
             try:
                 entries[i] = (

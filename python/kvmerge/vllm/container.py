@@ -42,7 +42,7 @@ from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from kvmerge import EventBatch
 from kvmerge._kvmerge import _pack, _unpack
 
-from .config import ENCODED_FAMILIES, FAMILY_NATIVE, FAMILY_REFUSED, Family
+from .families import ENCODED, FAMILY_NATIVE, FAMILY_REFUSED, Family
 from .settings import WorkerSettings
 
 #: The entries of an output as pickled, their batches rebuilt
@@ -167,7 +167,7 @@ class WorkerOutput:
             if isinstance(entry, KVConnectorKVEvents):
                 return None
             return f"a native child's container is a {type(entry).__name__}"
-        if family not in ENCODED_FAMILIES:
+        if family not in ENCODED:
             return f"an unknown container family {family[:50]!r}"
         if factors is not None and not (
             type(factors) is tuple
