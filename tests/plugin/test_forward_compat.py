@@ -23,6 +23,7 @@ from vllm.distributed.kv_events import (
 
 import kvmerge
 from kvmerge import EventBatch, InvalidEventError, Merger
+from kvmerge.vllm.families import available_names
 
 
 class FutureStored(BlockStored, tag="BlockStored"):
@@ -220,7 +221,14 @@ def test_only_malformed_events_are_refused(event, needle):
     [
         ("LMCacheChild", {}, [SEQ[0], SEQ[1], SEQ[3]]),
         ("MooncakeChild", {"test_factors": [1, 2]}, [SEQ[0], SEQ[1], SEQ[3]]),
-        ("UMBPChild", {}, [SEQ[0], SEQ[1], SEQ[3]]),
+        pytest.param(
+            "UMBPChild",
+            {},
+            [SEQ[0], SEQ[1], SEQ[3]],
+            marks=pytest.mark.skipif(
+                "umbp" not in available_names(), reason="no UMBP in this vLLM"
+            ),
+        ),
     ],
 )
 def test_through_kvmerge_multi_connector(bus, name, extra, events):

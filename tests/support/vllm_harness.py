@@ -1,4 +1,4 @@
-"""A small, real vLLM 0.33.0 setting for the plugin tests (no mocks of vLLM).
+"""A small, real vLLM setting for the plugin tests (no mocks of vLLM).
 
 * configs: ``kvmerge.sim.model.connector_config`` (``DeviceConfig("cpu")``, a
   ``KVTransferConfig`` naming ``KVMergeMultiConnector``) with children from
@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+from kvmerge.sim.children import umbp_container
 from kvmerge.sim.model import (
     child_entry,
     connector_config,
@@ -46,6 +47,7 @@ from kvmerge.sim.model import (
     worker_config,
 )
 from kvmerge.sim.transport import shm_roundtrip
+from kvmerge.vllm.families import available_names
 
 CHILDREN_MODULE = "support.vllm_children"
 
@@ -83,6 +85,29 @@ def cleared() -> AllBlocksCleared:
 def child(name: str, **extra: Any) -> dict[str, Any]:
     """A child entry of ``connectors`` for a ``support.vllm_children`` class."""
     return child_entry(name, CHILDREN_MODULE, extra)
+
+
+#: Whether the running vLLM has UMBP's family (vLLM 0.33 and later).
+HAS_UMBP = "umbp" in available_names()
+
+
+def any_child(**extra: Any) -> dict[str, Any]:
+    """The child of rule ``"any"`` whose scheduler half has the removal hook:
+    UMBP's where the running vLLM has the family, else a third-party list
+    child set to ``"any"`` with the same hook (the connector takes the same
+    path for both; UMBP's container only collapses a rank's duplicates, as
+    the rule does)."""
+    if HAS_UMBP:
+        return child("UMBPChild", **extra)
+    return child("HookListChild", **{"kv_events_merge": "any", **extra})
+
+
+def any_container(events: list[Any]) -> list[Any]:
+    """What ``any_child``'s worker side hands over for ``events``
+    (``get_all_events()`` of its container)."""
+    if HAS_UMBP:
+        return umbp_container(events).get_all_events()
+    return list(events)
 
 
 def init_tp_group(cfg: Any, rank: int, port: int) -> None:

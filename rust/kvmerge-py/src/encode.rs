@@ -217,6 +217,11 @@ fn check_containers<'py>(ev: &Bound<'py, PyAny>, kind: usize) -> Result<(), Stri
         (pyo3::intern!(py, "lookahead_token_ids"), false),
     ];
     for (f, item_is_tuple) in optional {
+        // A release whose class lacks the field (vLLM 0.32 has no
+        // lookahead_token_ids) writes none: nothing to check.
+        if !ev.hasattr(f).unwrap_or(false) {
+            continue;
+        }
         let v = field(f)?;
         if v.is_none() {
             continue;
