@@ -185,7 +185,7 @@ class DumpedBlock:
     tokens_hash: int
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -247,7 +247,7 @@ class DynamoIndexer:
         env.pop("DYN_ROUTER_MIN_INITIAL_WORKERS", None)  # would delay the server
         last_error = ""
         for _ in range(3):  # a free port can be taken before the indexer binds it
-            self.port = _free_port()
+            self.port = free_port()
             cmd = [self.python, "-m", "dynamo.indexer", "--port", str(self.port)]
             cmd += ["--threads", str(self.threads)]
             try:

@@ -12,6 +12,12 @@ Connectors alone (the plugin tests, ``python -m benches.compare``) need no model
 ``KVTransferConfig`` over the given children, ``worker_config`` a rank's copy
 of it, and ``create_connector`` builds a connector from one, as vLLM's
 ``KVConnectorFactory`` does.
+
+The real ``vllm serve`` (``kvmerge.sim.server``) computes a forward pass, with
+random weights (``--load-format dummy``): ``served_model_dir`` writes a tiny
+Llama whose head size vLLM's CPU attention supports, and a tokenizer made here
+(one word per token id, ``word``), so that text prompts and vLLM's own
+benchmark client work offline.
 """
 
 from __future__ import annotations
@@ -124,6 +130,53 @@ def engine_config(
         ),
         kv_events_config=kv_events or KVEventsConfig(enable_kv_cache_events=False),
     )
+
+
+#: The served model's head size: vLLM's CPU attention kernels take 32 and up.
+_SERVED_HEAD_SIZE: Final = 32
+_SERVED_HEADS: Final = 4
+#: The tokenizer's special tokens; word ``i`` (``word(i)``) follows them.
+_SPECIAL: Final = ("<unk>", "<s>", "</s>")
+
+
+def word(i: int) -> str:
+    """The word of the served tokenizer for ``i`` in ``range(VOCAB -
+    len(_SPECIAL))``: one token each, whitespace between them."""
+    return f"w{i}"
+
+
+def served_model_dir(
+    parent: str | os.PathLike[str] | None = None, world_size: int = 1
+) -> Path:
+    """A folder for ``vllm serve --load-format dummy``: the tiny Llama's
+    ``config.json`` (heads a multiple of ``world_size``) and a word-level
+    tokenizer over its vocabulary, saved as transformers saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    heads = math.lcm(_SERVED_HEADS, world_size)
+    config = {
+        **_CONFIG_JSON,
+        "hidden_size": heads * _SERVED_HEAD_SIZE,
+        "intermediate_size": 2 * heads * _SERVED_HEAD_SIZE,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": _SERVED_HEAD_SIZE,
+    }
+    path = Path(tempfile.mkdtemp(prefix="kvmerge-served-", dir=parent))
+    (path / "config.json").write_text(json.dumps(config))
+    vocab = {t: i for i, t in enumerate(_SPECIAL)}
+    vocab.update((word(i), len(_SPECIAL) + i) for i in range(VOCAB - len(_SPECIAL)))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=_SPECIAL[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token=_SPECIAL[0],
+        bos_token=_SPECIAL[1],
+        eos_token=_SPECIAL[2],
+        model_max_length=MAX_MODEL_LEN,
+    ).save_pretrained(path)
+    return path
 
 
 def _transfer_config(

@@ -106,13 +106,18 @@ class Faults:
     * ``late``: the last rank sometimes reports a step late (the tail of its
       step's reports, sometimes all of them, lead its next report);
     * ``lost``: a rank other than the last sometimes loses an eviction report;
-    * ``repeat``: a rank sometimes reports a store twice (its own retry).
+    * ``repeat``: a rank sometimes reports a store twice (its own retry);
+    * ``damage``: every ``damage``-th step (0: never) the last rank damages
+      its report, if it has one: a block hash sent as text, which kvmerge
+      refuses (the worker cannot encode it), so the connector drops that
+      report and counts it.
     """
 
     seed: int = 0
     late: bool = False
     lost: bool = False
     repeat: bool = False
+    damage: int = 0
 
     def to_extra(self) -> dict[str, Any]:
         return {
@@ -120,6 +125,7 @@ class Faults:
             "late": self.late,
             "lost": self.lost,
             "repeat": self.repeat,
+            "damage": self.damage,
         }
 
     @classmethod
@@ -129,6 +135,7 @@ class Faults:
             late=bool(extra.get("late", False)),
             lost=bool(extra.get("lost", False)),
             repeat=bool(extra.get("repeat", False)),
+            damage=int(extra.get("damage", 0)),
         )
 
 
@@ -160,6 +167,11 @@ class Reporter:
             keep = rng.randrange(len(out))
             out, self._held = out[:keep], out[keep:]
         return out
+
+    def damages(self, step: int) -> bool:
+        """Whether this rank damages its report of ``step`` (if it has one)."""
+        every = self.faults.damage
+        return every > 0 and self.last and step % every == every - 1
 
     def reset(self) -> None:
         self._held = []
