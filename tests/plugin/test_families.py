@@ -204,6 +204,23 @@ def test_the_docs_family_table_is_the_registry():
         assert (running_minor in listed) is (f.name in PRESENT), (name, releases)
 
 
+def test_the_readmes_table_of_simulated_children_is_the_registry():
+    """The README's table of the demo's children: each row's container, rule
+    and medium are its family's."""
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.strip().startswith("| `Sim")
+    ]
+    by_class = {sim.cls.__name__: sim.cls for sim in sim_children.SIMULATED.values()}
+    assert sorted(r[0].strip("`") for r in rows) == sorted(by_class)
+    for name, container, rule, medium in rows:
+        info = BY_NAME[by_class[name.strip("`")].FAMILY]
+        assert container.startswith(f"`{info.container}`"), name
+        assert rule.startswith(f"`{info.rule}"), name
+        assert medium == f"`{info.medium}`", name
+
+
 # --- one entry is all a new family needs ---------------------------------------------
 FOO = FamilyInfo(
     name="foo",
