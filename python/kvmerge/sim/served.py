@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -51,6 +51,7 @@ UPSTREAM: Final = "MultiConnector"
 #: The ``vllm:kvmerge_*`` counters and the label naming the child.
 _SERIES = re.compile(r"^vllm:kvmerge_(\w+)_total\{([^}]*)\}\s+(\S+)", re.M)
 _CONNECTOR_LABEL = re.compile(r'connector="([^"]*)"')
+_PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+(\S+)", re.M)
 #: vLLM's log line format, as its handler writes it in every process.
 VLLM_LOG_LINE = re.compile(
     r"^\((?P<proc>[\w]+) pid=\d+\) (?P<level>[A-Z]+) \d\d-\d\d \d\d:\d\d:\d\d "
@@ -98,9 +99,12 @@ class ServedResult:
     ready_s: float
     run_s: float
     leaked: list[str]
+    #: Whether the server had to be killed (it outlived SIGTERM's wait).
+    killed: bool
     command: list[str]
     example_hits: int = 0
-    by_child: dict[str, int] = field(default_factory=dict)
+    #: Requests the scheduler preempted (vLLM's ``num_preemptions``).
+    preemptions: int = 0
 
     def checks(self) -> list[Check]:
         out = [
@@ -225,6 +229,7 @@ class ServedRun:
         self.stream: list[Any] = []
         self._batches = 0
         self._last_batch = time.monotonic()
+        self.preemptions = 0
 
     def _feed(self, events: list[Any]) -> None:
         self.stream.extend(events)
@@ -281,7 +286,10 @@ class ServedRun:
         reader.finish(-1 if expected_seq is None else expected_seq - 1, timeout=30)
         if reader.error is not None:
             raise reader.error
-        metrics = _metrics(server.metrics())
+        metrics_text = server.metrics()
+        metrics = _metrics(metrics_text)
+        preempted = _PREEMPTIONS.findall(metrics_text)
+        self.preemptions = int(sum(float(v) for v in preempted))
         model_router = RouterModel()
         model_router.apply(self.stream)
         lookups = router_applied = None
@@ -327,8 +335,13 @@ class ServedRun:
             )
             for i, f in enumerate(o.families)
         ]
-        expected, replayed = expected_stream(
-            self.records, children, o.tp, o.max_pending_steps
+        # vLLM's MultiConnector never asks its children for their events:
+        # then nothing was recorded.
+        recorded = self.records.is_dir() and any(self.records.iterdir())
+        expected, replayed = (
+            expected_stream(self.records, children, o.tp, o.max_pending_steps)
+            if recorded
+            else ([], [])
         )
         labels = [
             f"connectors[{i}] ({FAMILY[f].cls.__name__})"
@@ -374,13 +387,15 @@ class ServedRun:
             result=result,
             statuses=statuses,
             metrics=metrics,
-            replayed=list(zip(labels, replayed, strict=True)),
+            replayed=list(zip(labels, replayed, strict=False)),
             log=log,
             ready_s=self.server.ready_s,
             run_s=run_s,
             leaked=list(self.server.leaked),
+            killed=self.server.killed,
             command=self.server.command(),
             example_hits=log.count("External Cache Hit"),
+            preemptions=self.preemptions,
         )
 
     def close(self) -> None:

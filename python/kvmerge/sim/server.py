@@ -103,6 +103,8 @@ class Server:
         self.log_path = self.dir / "server.log"
         self.ready_s = 0.0
         self.leaked: list[str] = []
+        #: Whether a process of the server outlived SIGTERM's wait.
+        self.killed = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._shm_before: set[str] = set()
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -227,6 +229,7 @@ class Server:
         while time.monotonic() < deadline and _group_alive(pgid, proc):
             time.sleep(0.2)
         if _group_alive(pgid, proc):
+            self.killed = True
             _signal_group(pgid, signal.SIGKILL)
             end = time.monotonic() + 10
             while time.monotonic() < end and _group_alive(pgid, proc):

