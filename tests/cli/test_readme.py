@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,21 @@ def test_each_option_named_alone_exists():
     assert wrong == []
 
 
+def tracked(folder: str) -> list[str]:
+    """The files git tracks under ``folder`` (what a clone has; another
+    session's work in progress is not yet the project's)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--", folder],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: no list of the project's files")
+    return [f for f in out.decode().split("\0") if f]
+
+
 def test_the_ci_scripts_named_exist():
     named = set()
     for doc in DOCS:
@@ -259,7 +275,7 @@ def test_the_ci_scripts_named_exist():
         name = span.split()[0]
         named.add(name if name.startswith(".ci/") else f".ci/{name}")
     assert {".ci/test", ".ci/demo", ".ci/setup.sh"} <= named
-    assert sorted(n for n in named if not (ROOT / n).exists()) == []
+    assert sorted(n for n in named if not any(ROOT.glob(n))) == []
 
 
 def test_a_fake_option_fails(tmp_path):
@@ -317,3 +333,26 @@ def test_the_layout_names_what_exists():
             if not any(f.exists() for f in found):
                 missing.append(f"{path}: `{name}`")
     assert missing == []
+
+
+def test_the_layout_names_every_module_and_ci_file():
+    """What a row names exists (above), and what exists is named: a module
+    added to one of ``MODULE_ROWS``' folders, or a file to ``.ci/``, goes in
+    the Layout table too."""
+    rows = layout()
+    unnamed = []
+    for path, (sub, suffix) in MODULE_ROWS.items():
+        names = set(re.findall(r"`([a-z_]+)/?`", rows[path]))
+        for f in tracked(path + sub):
+            rel = Path(f).relative_to(path + sub)
+            stem = rel.parts[0].removesuffix(suffix)
+            if len(rel.parts) == 1 and not f.endswith(suffix):
+                continue
+            if stem not in names and stem not in ("lib", "__init__"):
+                unnamed.append(f)
+    spans = [s.split()[0] for s in re.findall(r"`([^`]+)`", rows[".ci/"])]
+    for f in tracked(".ci/"):
+        name = f.removeprefix(".ci/")
+        if not any(Path(name).match(s.removeprefix(".ci/")) for s in spans):
+            unnamed.append(f)
+    assert unnamed == []
