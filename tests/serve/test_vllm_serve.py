@@ -133,3 +133,28 @@ def test_each_server_stopped_and_left_only_vllms_own_segments(ours, upstream):
     for run in (ours, upstream):
         assert not run.killed
         assert all(VLLMS_OWN_LEFTOVERS.match(name) for name in run.leaked), run.leaked
+
+
+@pytest.fixture(scope="module")
+def replicas(dynamo_python: str) -> Iterator[ServedResult]:
+    with DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer:
+        yield serve_run(ServedOptions(tp=1, dp=2, requests=32), indexer)
+
+
+@pytest.mark.parametrize(
+    "name", ["http", "sequence", "parents", "rules", "router", "lookups", "metrics"]
+)
+def test_each_data_parallel_replica_passes_every_check(replicas, name):
+    mine = [c for c in replicas.checks() if c.name.split(" ")[0] == name]
+    assert len(mine) == (1 if name == "http" else 2)
+    for check in mine:
+        assert check.ok, f"{check.name}: {check.text}"
+
+
+def test_each_replica_publishes_on_its_own_endpoint_with_its_rank(replicas):
+    assert [r.batch_dp_ranks for r in replicas.replicas] == [{0}, {1}]
+    # Both served requests and merged their children's events.
+    for r in replicas.replicas:
+        assert r.result.children_stream, r.dp_rank
+        assert r.result.by_medium.get("GPU", 0) > 0
+    assert not replicas.killed

@@ -60,7 +60,7 @@ from kvmerge.vllm.families import BY_NAME, FamilyInfo
 
 from . import FAMILIES
 from .model import child_entry
-from .record import RECORD_KEY, Recorder
+from .record import RECORD_KEY, Recorder, replica_folder
 from .tier import Block, Chain, Change, Faults, Reporter, Stored, Tier
 
 MODULE: Final = __name__
@@ -290,7 +290,16 @@ class SimChild(NoTransfer):
         self.recorder = (
             None
             if self.settings.record is None
-            else Recorder(self.settings.record, self.settings.index, self.rank)
+            else Recorder(
+                # The replica's rank, as its publisher takes it (vLLM resets
+                # data_parallel_rank in independent replicas, not the index).
+                replica_folder(
+                    self.settings.record,
+                    int(vllm_config.parallel_config.data_parallel_index),
+                ),
+                self.settings.index,
+                self.rank,
+            )
         )
         self._upstream = BY_NAME[self.FAMILY].connector_class()
 

@@ -5,9 +5,10 @@ In ``kvmerge.sim.run`` the expected stream follows the scheduler's outputs
 in the same process. In the real ``vllm serve`` the workers are vLLM's own
 processes: a simulated child whose settings name a ``record`` folder writes,
 at each step of its worker, one line to ``child<index>-rank<rank>.jsonl``
-there (``Recorder``): the step, whether the step began with a reset of the
-child's tier, whether its report was damaged (the connector must refuse it),
-and the events the family's container holds (what kvmerge reads from it).
+in its replica's folder there (``replica_folder``, ``Recorder``): the step,
+whether the step began with a reset of the child's tier, whether its report
+was damaged (the connector must refuse it), and the events the family's
+container holds (what kvmerge reads from it).
 
 ``expected`` replays those lines through ``ReferenceMerger`` (the rules of
 docs/merge-rules.md, written independently of the engine): per step, a reset
@@ -41,6 +42,12 @@ class Line:
     refused: bool
     #: Each event's msgpack bytes (none for a refused report).
     events: tuple[bytes, ...]
+
+
+def replica_folder(folder: str | Path, dp_rank: int) -> Path:
+    """Where a data-parallel replica's ranks record (each replica has its
+    own TP ranks 0 to world size - 1, and its own merger)."""
+    return Path(folder) / f"dp{dp_rank}"
 
 
 def path(folder: str | Path, child: int, rank: int) -> Path:

@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -51,6 +51,7 @@ UPSTREAM: Final = "MultiConnector"
 #: The ``vllm:kvmerge_*`` counters and the label naming the child.
 _SERIES = re.compile(r"^vllm:kvmerge_(\w+)_total\{([^}]*)\}\s+(\S+)", re.M)
 _CONNECTOR_LABEL = re.compile(r'connector="([^"]*)"')
+_ENGINE_LABEL = re.compile(r'engine="([^"]*)"')
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+(\S+)", re.M)
 #: vLLM's log line format, as its handler writes it in every process.
 VLLM_LOG_LINE = re.compile(
@@ -63,6 +64,9 @@ VLLM_LOG_LINE = re.compile(
 @dataclass
 class ServedOptions:
     tp: int = 2
+    #: Data-parallel replicas, each with its own scheduler, merger and
+    #: publisher (the endpoint's port plus its rank).
+    dp: int = 1
     #: ``KVMergeMultiConnector``, or ``MultiConnector`` (vLLM's own).
     connector: str = CONNECTOR
     #: The families vLLM 0.32, the release whose CPU build serves here, has.
@@ -88,13 +92,24 @@ class ServedOptions:
 
 
 @dataclass
-class ServedResult:
+class Replica:
+    """What one data-parallel replica (its own scheduler, merger and
+    publisher) published, and what the rules say it must have."""
+
+    dp_rank: int
     result: Result
-    statuses: Counter[int]
+    #: The ``data_parallel_rank`` its batches carried.
+    batch_dp_ranks: set[int | None]
     #: ``{connector label: {counter: value}}`` from ``/metrics``.
     metrics: dict[str, dict[str, float]]
     #: Per simulated child: its label and its replayed records.
     replayed: list[tuple[str, Any]]
+
+
+@dataclass
+class ServedResult:
+    replicas: list[Replica]
+    statuses: Counter[int]
     log: str
     ready_s: float
     run_s: float
@@ -106,6 +121,19 @@ class ServedResult:
     #: Requests the scheduler preempted (vLLM's ``num_preemptions``).
     preemptions: int = 0
 
+    @property
+    def result(self) -> Result:
+        """The first replica's (the only one without data parallelism)."""
+        return self.replicas[0].result
+
+    @property
+    def metrics(self) -> dict[str, dict[str, float]]:
+        return self.replicas[0].metrics
+
+    @property
+    def replayed(self) -> list[tuple[str, Any]]:
+        return self.replicas[0].replayed
+
     def checks(self) -> list[Check]:
         out = [
             Check(
@@ -113,45 +141,52 @@ class ServedResult:
                 "http",
                 f"{sum(self.statuses.values())} requests, statuses "
                 + ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses.items())),
-            ),
-            *self.result.checks(),
+            )
         ]
-        if self.result.options.rule is not None:
-            theirs = self.result.children_stream
-            out.append(
-                Check(
-                    not theirs,
-                    "upstream",
-                    f"vLLM's MultiConnector published {len(theirs)} of its "
-                    "children's events",
-                )
-            )
-        else:
-            want = {
-                label: {
-                    "reports": float(r.reports),
-                    "published": float(len(r.events)),
-                    "refused": float(r.refused),
-                }
-                for label, r in self.replayed
-            }
-            got = {
-                label: {k: self.metrics.get(label, {}).get(k, 0.0) for k in v}
-                for label, v in want.items()
-            }
-            out.append(
-                Check(
-                    got == want,
-                    "metrics",
-                    "vllm:kvmerge_{reports,published,refused}_total "
-                    + ("equal" if got == want else f"{got}, not")
-                    + " the stream's and the records' "
-                    + str(
-                        {k: {n: int(x) for n, x in v.items()} for k, v in want.items()}
-                    ),
-                )
-            )
+        for replica in self.replicas:
+            suffix = f" dp{replica.dp_rank}" if len(self.replicas) > 1 else ""
+            out += [
+                Check(c.ok, c.name + suffix, c.text) for c in _replica_checks(replica)
+            ]
         return out
+
+
+def _replica_checks(replica: Replica) -> list[Check]:
+    out = replica.result.checks()
+    if replica.result.options.rule is not None:
+        theirs = replica.result.children_stream
+        out.append(
+            Check(
+                not theirs,
+                "upstream",
+                f"vLLM's MultiConnector published {len(theirs)} of its "
+                "children's events",
+            )
+        )
+        return out
+    want = {
+        label: {
+            "reports": float(r.reports),
+            "published": float(len(r.events)),
+            "refused": float(r.refused),
+        }
+        for label, r in replica.replayed
+    }
+    got = {
+        label: {k: replica.metrics.get(label, {}).get(k, 0.0) for k in v}
+        for label, v in want.items()
+    }
+    counts = {k: {n: int(x) for n, x in v.items()} for k, v in want.items()}
+    out.append(
+        Check(
+            got == want,
+            "metrics",
+            "vllm:kvmerge_{reports,published,refused}_total "
+            + ("equal" if got == want else f"{got}, not")
+            + f" the stream's and the records' {counts}",
+        )
+    )
+    return out
 
 
 def connector_config(
@@ -205,15 +240,25 @@ def prompts(opts: ServedOptions) -> list[tuple[str, int]]:
     return out
 
 
-def _metrics(text: str) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
+def _metrics(text: str) -> dict[str, dict[str, dict[str, float]]]:
+    """``{engine: {connector label: {counter: value}}}``."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for name, labels, value in _SERIES.findall(text):
         m = _CONNECTOR_LABEL.search(labels)
         if m is None:
             continue
-        d = out.setdefault(m.group(1), {})
+        e = _ENGINE_LABEL.search(labels)
+        d = out.setdefault(e.group(1) if e else "0", {}).setdefault(m.group(1), {})
         d[name] = d.get(name, 0.0) + float(value)
     return out
+
+
+@dataclass
+class _Stream:
+    """One replica's stream, as a reader thread feeds it."""
+
+    events: list[Any] = field(default_factory=list)
+    reader: Any = None
 
 
 class ServedRun:
@@ -226,15 +271,15 @@ class ServedRun:
         self.dir = Path(tempfile.mkdtemp(prefix="kvmerge-served-run-"))
         self.records = self.dir / "records"
         self.server: Server | None = None
-        self.stream: list[Any] = []
-        self._batches = 0
+        self.streams = [_Stream() for _ in range(opts.dp)]
         self._last_batch = time.monotonic()
-        self.preemptions = 0
 
-    def _feed(self, events: list[Any]) -> None:
-        self.stream.extend(events)
-        self._batches += 1
-        self._last_batch = time.monotonic()
+    def _feeder(self, stream: _Stream) -> Any:
+        def feed(events: list[Any]) -> None:
+            stream.events.extend(events)
+            self._last_batch = time.monotonic()
+
+        return feed
 
     def run(self) -> ServedResult:
         from .stream import StreamReader
@@ -246,6 +291,7 @@ class ServedRun:
             ServerOptions(
                 model=model,
                 tp=o.tp,
+                dp=o.dp,
                 num_blocks=o.num_blocks,
                 kv_transfer=config,
                 topic=o.topic,
@@ -253,16 +299,21 @@ class ServedRun:
             self.dir,
         )
         server.start()
-        reader = StreamReader(
-            server.endpoint, server.replay_endpoint, o.topic, self._feed
-        )
-        reader.start()
-        check = None
-        if self.router is not None:
-            self.router.register(
-                1, server.endpoint, server.replay_endpoint, block_size=BLOCK_SIZE
+        checks: list[RouterCheck | None] = []
+        for d, stream in enumerate(self.streams):
+            endpoint, replay = server.subscriber_endpoints(d)
+            stream.reader = StreamReader(
+                endpoint, replay, o.topic, self._feeder(stream)
             )
-            check = RouterCheck(self.router, 1, BLOCK_SIZE, o.seed)
+            stream.reader.start()
+            if self.router is None:
+                checks.append(None)
+                continue
+            # One instance a replica: each has its own cache.
+            self.router.register(
+                1 + d, endpoint, replay, dp_rank=d, block_size=BLOCK_SIZE
+            )
+            checks.append(RouterCheck(self.router, 1 + d, BLOCK_SIZE, o.seed + d))
         started = time.monotonic()
         statuses: Counter[int] = Counter()
         work = prompts(o)
@@ -282,51 +333,73 @@ class ServedRun:
         ):
             time.sleep(0.2)
         run_s = time.monotonic() - started
-        expected_seq = reader.sub.expected
-        reader.finish(-1 if expected_seq is None else expected_seq - 1, timeout=30)
-        if reader.error is not None:
-            raise reader.error
+        for stream in self.streams:
+            expected_seq = stream.reader.sub.expected
+            stream.reader.finish(
+                -1 if expected_seq is None else expected_seq - 1, timeout=30
+            )
+            if stream.reader.error is not None:
+                raise stream.reader.error
         metrics_text = server.metrics()
-        metrics = _metrics(metrics_text)
-        preempted = _PREEMPTIONS.findall(metrics_text)
-        self.preemptions = int(sum(float(v) for v in preempted))
-        model_router = RouterModel()
-        model_router.apply(self.stream)
-        lookups = router_applied = None
-        if check is not None:
-            check.learn(self.stream)
-            check.sync(model_router)
-            check.ask(model_router, 100)
-            lookups = check.lookups
+        models = [RouterModel() for _ in self.streams]
+        for model_router, stream in zip(models, self.streams, strict=True):
+            model_router.apply(stream.events)
+        router_applied = None
+        for check, model_router, stream in zip(
+            checks, models, self.streams, strict=True
+        ):
+            if check is not None:
+                check.learn(stream.events)
+                check.sync(model_router)
+                check.ask(model_router, 100)
+        if self.router is not None:
             router_applied = self.router.metrics()
         server.stop()
-        return self._result(
-            statuses,
-            metrics,
-            run_s,
-            resets,
-            reader.stats,
-            lookups,
-            router_applied,
-            model_router,
+        # Dynamo's counters are the process's, over every replica's stream.
+        applied: Counter[tuple[str, str]] = Counter()
+        for model_router in models:
+            applied.update(model_router.applied)
+        metrics = _metrics(metrics_text)
+        replicas = [
+            self._replica(
+                d,
+                metrics.get(str(d), {}),
+                resets,
+                checks[d],
+                router_applied,
+                dict(applied) if self.router is not None else None,
+            )
+            for d in range(o.dp)
+        ]
+        log = server.log()
+        preempted = _PREEMPTIONS.findall(metrics_text)
+        return ServedResult(
+            replicas=replicas,
+            statuses=statuses,
+            log=log,
+            ready_s=server.ready_s,
+            run_s=run_s,
+            leaked=list(server.leaked),
+            killed=server.killed,
+            command=server.command(),
+            example_hits=log.count("External Cache Hit"),
+            preemptions=int(sum(float(v) for v in preempted)),
         )
 
-    def _result(
+    def _replica(
         self,
-        statuses: Counter[int],
+        d: int,
         metrics: dict[str, dict[str, float]],
-        run_s: float,
         resets: int,
-        reader_stats: Any,
-        lookups: Any,
+        check: RouterCheck | None,
         router_applied: Any,
-        model_router: RouterModel,
-    ) -> ServedResult:
+        model_applied: dict[tuple[str, str], int] | None,
+    ) -> Replica:
         from .children import FAMILY, mooncake_factors
-        from .record import ChildRecord, expected_stream
+        from .record import ChildRecord, expected_stream, replica_folder
 
         o = self.opts
-        assert self.server is not None
+        stream = self.streams[d].events
         children = [
             ChildRecord(
                 i,
@@ -337,9 +410,10 @@ class ServedRun:
         ]
         # vLLM's MultiConnector never asks its children for their events:
         # then nothing was recorded.
-        recorded = self.records.is_dir() and any(self.records.iterdir())
+        folder = replica_folder(self.records, d)
+        recorded = folder.is_dir() and any(folder.iterdir())
         expected, replayed = (
-            expected_stream(self.records, children, o.tp, o.max_pending_steps)
+            expected_stream(folder, children, o.tp, o.max_pending_steps)
             if recorded
             else ([], [])
         )
@@ -349,10 +423,11 @@ class ServedRun:
         ]
         by_medium: dict[str, int] = {}
         parents = ParentCheck()
-        for e in self.stream:
+        for e in stream:
             m = getattr(e, "medium", None)
             by_medium[m or "-"] = by_medium.get(m or "-", 0) + 1
             parents.apply(m, (e,))
+        reader_stats = self.streams[d].reader.stats
         upstream = o.connector != CONNECTOR
         result = Result(
             options=Options(
@@ -366,36 +441,28 @@ class ServedRun:
             ),
             steps=len(replayed[0].steps) if replayed else 0,
             published=reader_stats.batches,
-            stream=self.stream,
+            stream=stream,
             expected=expected,
             reader_stats=reader_stats,
             merge_stats=[],
             reports=[r.reports for r in replayed],
             step_ns=[],
             merge_ns=[],
-            finished=sum(statuses.values()),
+            finished=0,
             preempted=0,
             resets=resets,
             parents=parents,
             by_medium=by_medium,
-            lookups=lookups,
+            lookups=check.lookups if check is not None else None,
             router_applied=router_applied,
-            model_applied=dict(model_router.applied) if self.router else None,
+            model_applied=model_applied,
         )
-        log = self.server.log()
-        return ServedResult(
-            result=result,
-            statuses=statuses,
-            metrics=metrics,
-            replayed=list(zip(labels, replayed, strict=False)),
-            log=log,
-            ready_s=self.server.ready_s,
-            run_s=run_s,
-            leaked=list(self.server.leaked),
-            killed=self.server.killed,
-            command=self.server.command(),
-            example_hits=log.count("External Cache Hit"),
-            preemptions=self.preemptions,
+        return Replica(
+            d,
+            result,
+            set(self.streams[d].reader.dp_ranks),
+            metrics,
+            list(zip(labels, replayed, strict=False)),
         )
 
     def close(self) -> None:

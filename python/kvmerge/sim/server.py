@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -98,8 +99,15 @@ class Server:
         self.dir = Path(tempfile.mkdtemp(prefix="kvmerge-serve-", dir=workdir))
         self.python = opts.python or cpu_python()
         self.port = 0
-        self.endpoint = f"ipc://{self.dir / 'kv'}"
-        self.replay_endpoint = f"ipc://{self.dir / 'kv-replay'}"
+        if opts.dp > 1:
+            # vLLM offsets a tcp endpoint's port by the replica's rank (an
+            # ipc path it cannot offset); a wildcard endpoint is bound.
+            pub, replay = free_ports(opts.dp), free_ports(opts.dp)
+            self.endpoint = f"tcp://*:{pub}"
+            self.replay_endpoint = f"tcp://*:{replay}"
+        else:
+            self.endpoint = f"ipc://{self.dir / 'kv'}"
+            self.replay_endpoint = f"ipc://{self.dir / 'kv-replay'}"
         self.log_path = self.dir / "server.log"
         self.ready_s = 0.0
         self.leaked: list[str] = []
@@ -162,6 +170,16 @@ class Server:
         )
         env.update(self.opts.extra_env)
         return env
+
+    def subscriber_endpoints(self, dp_rank: int = 0) -> tuple[str, str]:
+        """Where a subscriber reads replica ``dp_rank``'s stream and asks
+        for its replays (on 127.0.0.1)."""
+        if not self.endpoint.startswith("tcp://*:"):
+            return self.endpoint, self.replay_endpoint
+        return tuple(  # type: ignore[return-value]
+            f"tcp://127.0.0.1:{int(e.rsplit(':', 1)[1]) + dp_rank}"
+            for e in (self.endpoint, self.replay_endpoint)
+        )
 
     # -- process -------------------------------------------------------------
 
@@ -314,6 +332,25 @@ class Server:
         if status != 200:
             raise ServerError(f"/metrics answered {status}")
         return str(body)
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports of 127.0.0.1."""
+    for _ in range(50):
+        base = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise ServerError(f"no {n} consecutive free ports")
 
 
 def _shm_entries() -> set[str]:

@@ -28,6 +28,8 @@ class StreamReader(threading.Thread):
         )
         self.sub.load_decoder()
         self.feed = feed
+        #: The ``data_parallel_rank`` of every batch read (None: unset).
+        self.dp_ranks: set[int | None] = set()
         self._last: int | None = None
         self._deadline = 0.0
         self._quit = threading.Event()
@@ -42,7 +44,7 @@ class StreamReader(threading.Thread):
         try:
             while not self._quit.is_set():
                 for received in sub.receive(50):
-                    self.feed(received.batch.events)
+                    self._take(received.batch)
                 last = self._last
                 if last is not None:
                     if sub.expected is not None and sub.expected > last:
@@ -50,12 +52,16 @@ class StreamReader(threading.Thread):
                     if last < 0 or time.monotonic() > self._deadline:
                         # Not all of it came on the live socket: ask the replay.
                         for received in sub.catch_up(last):
-                            self.feed(received.batch.events)
+                            self._take(received.batch)
                         break
         except BaseException as e:  # reported by the caller
             self.error = e
         finally:
             sub.close()
+
+    def _take(self, batch: Any) -> None:
+        self.dp_ranks.add(batch.data_parallel_rank)
+        self.feed(batch.events)
 
     def finish(self, last_seq: int, timeout: float = 5.0) -> None:
         self._deadline = time.monotonic() + timeout
