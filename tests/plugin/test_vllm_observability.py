@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from kvmerge.sim.model import model_dir
 from kvmerge.sim.transport import shm_roundtrip
-from kvmerge.vllm.stats import METRIC_NAMES
+from kvmerge.vllm.stats import METRIC_NAMES, STEP_METRIC_NAMES
 
 pytestmark = pytest.mark.vllm
 
@@ -197,6 +198,18 @@ class StatsChild(LMCacheChild):
         return LoadProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
+class SlowChild(LMCacheChild):
+    """An LMCache-like child whose scheduler side takes ``SLOW_S`` per step:
+    time the connector's own step time must include."""
+
+    def take_events(self):
+        time.sleep(SLOW_S)
+        return super().take_events()
+
+
+SLOW_S = 0.002
+
+
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory):
     """A real ModelConfig for the stat loggers, from the harness's tiny model."""
@@ -211,10 +224,12 @@ def _stats_child(registered):
     # MultiConnector rebuilds a child's stats by its registered name.
     with contextlib.suppress(ValueError):
         KVConnectorFactory.register_connector("StatsChild", __name__, "StatsChild")
+    with contextlib.suppress(ValueError):
+        KVConnectorFactory.register_connector("SlowChild", __name__, "SlowChild")
 
 
-def stats_child(**extra) -> dict:
-    return {**child("StatsChild", **extra), "kv_connector_module_path": __name__}
+def stats_child(name: str = "StatsChild", **extra) -> dict:
+    return {**child(name, **extra), "kv_connector_module_path": __name__}
 
 
 def engine_step(c: Cluster, ranks=None) -> SchedulerStats:
@@ -338,3 +353,71 @@ def test_refused_batches_are_counted(bus, model_config):
     assert sample(text, "vllm:kvmerge_refused_total", label) == 4
     assert sample(text, "vllm:kvmerge_reports_total", label) == 1
     assert sample(text, "vllm:kvmerge_published_total", label) == 1
+
+
+def engine_sample(text: str, name: str) -> float:
+    """The value of ``name`` (labels ``model_name`` and ``engine`` only)."""
+    pattern = re.compile(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", re.M)
+    for m in pattern.finditer(text):
+        if dict(re.findall(r'(\w+)="([^"]*)"', m[1])) == {
+            "model_name": "tiny",
+            "engine": "0",
+        }:
+            return float(m[2])
+    raise AssertionError(f"no {name}:\n{text}")
+
+
+def test_the_connectors_own_step_time_reaches_prometheus_and_the_log(
+    bus, model_config, caplog
+):
+    c = Cluster(
+        [stats_child("SlowChild", kv_events_merge="all")],
+        bus,
+        tp=2,
+        max_pending_steps=1,
+    )
+    cfg = copy.copy(c.cfg)
+    cfg.model_config = model_config
+    prom = PrometheusStatLogger(cfg)
+    logging_logger = LoggingStatLogger(cfg)
+    steps = 6
+    for step in range(steps):
+        for r in (0, 1):
+            c.emit(r, 0, [stored(step + 1)])
+        stats = engine_step(c)
+        prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+        logging_logger.record(scheduler_stats=stats, iteration_stats=None)
+
+    text = generate_latest(REGISTRY).decode()
+    for name in STEP_METRIC_NAMES:
+        assert f"# TYPE {name} counter\n" in text, name
+    steps_name, seconds_name = STEP_METRIC_NAMES
+    # One step per take_events, as vLLM's scheduler calls it.
+    assert engine_sample(text, steps_name) == steps == c.scheduler._timer.steps
+    seconds = engine_sample(text, seconds_name)
+    # The child's sleep is the connector's time too; only the last
+    # get_kv_connector_stats call's own time is still to be sent.
+    timer = c.scheduler._timer
+    assert steps * SLOW_S <= seconds <= timer.ns / 1e9
+    assert seconds < steps * SLOW_S + 1.0
+    # Still one per child for the children's counters.
+    assert (
+        sample(text, "vllm:kvmerge_published_total", "connectors[0] (SlowChild)") == 6
+    )
+
+    with caplog.at_level(logging.DEBUG, logger="vllm"):
+        logging_logger.log()
+    (line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("KV Transfer metrics")
+    ]
+    m = re.search(
+        r"kvmerge_step=\{'steps': (\d+), 'ms': ([\d.]+), 'us_per_step': ([\d.]+)\}",
+        line,
+    )
+    assert m is not None, line
+    assert int(m[1]) == steps
+    assert float(m[2]) == pytest.approx(seconds * 1e3, abs=1e-3)
+    assert float(m[3]) == pytest.approx(seconds * 1e6 / steps, abs=0.1)
+    assert float(m[3]) >= SLOW_S * 1e6

@@ -29,6 +29,7 @@ the worker's message they came in) unless the connector's extra config says
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 from vllm.distributed.kv_events import BlockRemoved, KVConnectorKVEvents
@@ -67,7 +68,13 @@ from .log import get_logger
 from .native import combine_native
 from .refusals import Refusals
 from .settings import differences, settings_of
-from .stats import StatsTracker, WithKVMergePromMetrics, build_stats, with_merge_stats
+from .stats import (
+    StatsTracker,
+    StepTimer,
+    WithKVMergePromMetrics,
+    build_stats,
+    with_merge_stats,
+)
 from .topology import aggregated_world_size, worker_rank
 
 if TYPE_CHECKING:
@@ -420,6 +427,8 @@ class KVMergeMultiConnector(MultiConnector):
         #: Worker side: how many outputs this worker has made.
         self._seq = 0
         self._children: list[_Child] = []
+        #: Scheduler side: its engine steps and its own time in them.
+        self._timer = StepTimer()
         if role == KVConnectorRole.SCHEDULER:
             # What every worker should believe (rank aside): WorkerSettings.
             self._settings = settings_of(
@@ -701,6 +710,7 @@ class KVMergeMultiConnector(MultiConnector):
             # Nothing to merge outside the scheduler: upstream's behaviour.
             super().update_connector_output(connector_output)
             return
+        started = perf_counter_ns()
         n = len(self._children)
         events = connector_output.kv_cache_events
         native: list[KVConnectorKVEvents | None] = [None] * n
@@ -733,14 +743,20 @@ class KVMergeMultiConnector(MultiConnector):
         finally:
             connector_output.kv_cache_events = events
             connector_output.kv_connector_worker_meta = meta
+        self._timer.ns += perf_counter_ns() - started
 
     def take_events(self) -> Iterable[KVCacheEvent]:
+        started = perf_counter_ns()
         events: list[Any] = []
         for child in self._children:
             if child.out:
                 events.extend(child.out)
                 child.out = []
             events.extend(child.connector.take_events())
+        # vLLM's scheduler calls this once per step (update_from_output).
+        timer = self._timer
+        timer.steps += 1
+        timer.ns += perf_counter_ns() - started
         return events
 
     def reset_cache(self) -> bool:
@@ -758,14 +774,21 @@ class KVMergeMultiConnector(MultiConnector):
     # ==============================
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The children's stats as ``MultiConnector`` returns them; on the
-        scheduler side, with kvmerge's counters since the previous call."""
+        scheduler side, with kvmerge's counters and its steps and time since
+        the previous call."""
+        started = perf_counter_ns()
         children_stats = super().get_kv_connector_stats()
         if not self._children:
             return children_stats
         tracker = self.__dict__.get("_stats_tracker")
         if tracker is None:
             tracker = self._stats_tracker = StatsTracker()
-        return with_merge_stats(children_stats, tracker.collect(self._children))
+        timer = self._timer
+        stats = with_merge_stats(
+            children_stats, tracker.collect(self._children), timer.collect()
+        )
+        timer.ns += perf_counter_ns() - started
+        return stats
 
     @classmethod
     def build_kv_connector_stats(

@@ -30,6 +30,17 @@ Prometheus (labels ``model_name``, ``engine`` as vLLM's own, and
 ``vllm:kvmerge_expired_total``, ``vllm:kvmerge_cleared_total``,
 ``vllm:kvmerge_refused_total`` (counters) and ``vllm:kvmerge_pending``
 (gauge).
+
+The connector's own time in the engine-core process goes beside them, under
+``STEP_KEY`` (``"kvmerge_step"``), in a ``KVMergeStepStats``: the engine steps
+since the previous call (``take_events``, which vLLM's scheduler calls once
+per ``update_from_output``) and the nanoseconds the connector spent in its
+scheduler-side calls of those steps (``update_connector_output``,
+``get_kv_connector_stats``, ``take_events``, its children's calls included:
+what it adds to the engine's busy loop). Prometheus, labels ``model_name`` and
+``engine``: ``vllm:kvmerge_steps_total`` and ``vllm:kvmerge_step_seconds_total``
+(counters: their rates' ratio is the mean time per step); the log line:
+``kvmerge_step={'steps': 120, 'ms': 4.2, 'us_per_step': 35.0}``.
 """
 
 from __future__ import annotations
@@ -61,6 +72,12 @@ LABEL: Final = "connector"
 PREFIX: Final = "vllm:kvmerge_"
 #: The names as ``prometheus_client`` exposes them.
 METRIC_NAMES: Final = (*(f"{PREFIX}{c}_total" for c in COUNTERS), PREFIX + PENDING)
+#: The connector's own scheduler-side time, beside ``KEY``.
+STEP_KEY: Final = "kvmerge_step"
+#: ``KVMergeStepStats.data``'s counters: engine steps, nanoseconds in them.
+STEPS: Final = "steps"
+STEP_NS: Final = "ns"
+STEP_METRIC_NAMES: Final = (f"{PREFIX}steps_total", f"{PREFIX}step_seconds_total")
 
 _MERGER_COUNTERS: Final = ("reports", "published", "expired", "cleared")
 _DOC: Final = {
@@ -109,6 +126,56 @@ class KVMergeStats(KVConnectorStats):
         )
 
 
+@dataclass
+class KVMergeStepStats(KVConnectorStats):
+    """``data``: ``{"steps": n, "ns": n}``, the engine steps of the interval
+    covered and the nanoseconds the connector spent in them (increments)."""
+
+    def reset(self) -> None:
+        self.data = {STEPS: 0, STEP_NS: 0}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name in (STEPS, STEP_NS):
+            self.data[name] = self.data.get(name, 0) + other.data.get(name, 0)
+        return self
+
+    def reduce(self) -> dict[str, Any]:
+        steps, ns = self.data.get(STEPS, 0), self.data.get(STEP_NS, 0)
+        return {
+            "steps": steps,
+            "ms": round(ns / 1e6, 3),
+            "us_per_step": round(ns / 1e3 / steps, 1) if steps else 0.0,
+        }
+
+    def is_empty(self) -> bool:
+        return not self.data.get(STEPS) and not self.data.get(STEP_NS)
+
+
+#: Our entries in ``MultiKVConnectorStats.data``, and their classes.
+_OURS: Final[dict[str, type[KVConnectorStats]]] = {
+    KEY: KVMergeStats,
+    STEP_KEY: KVMergeStepStats,
+}
+
+
+class StepTimer:
+    """Scheduler side: the connector's engine steps and its nanoseconds in
+    them (``perf_counter_ns``), totals; ``collect`` the increments since the
+    previous ``collect``."""
+
+    __slots__ = ("_ns", "_steps", "ns", "steps")
+
+    def __init__(self) -> None:
+        self.ns = self.steps = self._ns = self._steps = 0
+
+    def collect(self) -> KVMergeStepStats:
+        stats = KVMergeStepStats(
+            data={STEPS: self.steps - self._steps, STEP_NS: self.ns - self._ns}
+        )
+        self._steps, self._ns = self.steps, self.ns
+        return stats
+
+
 class StatsTracker:
     """Scheduler side: each child's counters since the previous ``collect``."""
 
@@ -139,14 +206,18 @@ class StatsTracker:
 
 
 def with_merge_stats(
-    children: KVConnectorStats | None, ours: KVMergeStats
+    children: KVConnectorStats | None,
+    ours: KVMergeStats,
+    step: KVMergeStepStats | None = None,
 ) -> KVConnectorStats | None:
-    """The children's stats as ``MultiConnector`` returns them, plus ours."""
-    if ours.is_empty():
-        return children
-    if children is None:
-        children = MultiKVConnectorStats()
-    children.data[KEY] = ours
+    """The children's stats as ``MultiConnector`` returns them, plus ours
+    (each only when it holds something)."""
+    for key, stats in ((KEY, ours), (STEP_KEY, step)):
+        if stats is None or stats.is_empty():
+            continue
+        if children is None:
+            children = MultiKVConnectorStats()
+        children.data[key] = stats
     return children
 
 
@@ -155,15 +226,17 @@ def build_stats(
     build_children: Callable[[dict[str, Any] | None], KVConnectorStats | None],
 ) -> KVConnectorStats | None:
     """``build_kv_connector_stats``: ours rebuilt, the rest by ``MultiConnector``."""
-    if data is None or KEY not in data:
+    if data is None or (KEY not in data and STEP_KEY not in data):
         return build_children(data)
-    ours = data[KEY]
-    stats = build_children({k: v for k, v in data.items() if k != KEY})
+    stats = build_children({k: v for k, v in data.items() if k not in _OURS})
     if stats is None:
         stats = MultiKVConnectorStats()
-    stats.data[KEY] = (
-        ours if isinstance(ours, KVConnectorStats) else KVMergeStats(data=dict(ours))
-    )
+    for key, cls in _OURS.items():
+        ours = data.get(key)
+        if ours is not None:
+            stats.data[key] = (
+                ours if isinstance(ours, KVConnectorStats) else cls(data=dict(ours))
+            )
     return stats
 
 
@@ -196,6 +269,24 @@ class KVMergePromMetrics(KVConnectorPromMetrics):
             labelnames=names,
             multiprocess_mode="mostrecent",
         )
+        steps_name, seconds_name = STEP_METRIC_NAMES
+        self.steps: Counter = self._counter_cls(
+            name=steps_name.removesuffix("_total"),
+            documentation="Engine steps the connector took part in (scheduler side).",
+            labelnames=labelnames,
+        )
+        self.step_seconds: Counter = self._counter_cls(
+            name=seconds_name.removesuffix("_total"),
+            documentation="Seconds the connector spent in its scheduler-side calls "
+            "of those steps (update_connector_output, get_kv_connector_stats, "
+            "take_events).",
+            labelnames=labelnames,
+        )
+
+    def observe_step(self, data: dict[str, Any], engine_idx: int = 0) -> None:
+        labelvalues = self.per_engine_labelvalues[engine_idx]
+        self.steps.labels(*labelvalues).inc(max(0, data.get(STEPS, 0)))
+        self.step_seconds.labels(*labelvalues).inc(max(0, data.get(STEP_NS, 0)) / 1e9)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labelvalues = self.per_engine_labelvalues[engine_idx]
@@ -226,8 +317,14 @@ class WithKVMergePromMetrics(KVMergePromMetrics):
             if isinstance(ours, KVConnectorStats):
                 ours = ours.to_dict()
             super().observe(ours, engine_idx)
+        step = transfer_stats_data.get(STEP_KEY)
+        if step is not None:
+            if isinstance(step, KVConnectorStats):
+                step = step.to_dict()
+            self.observe_step(step, engine_idx)
+        if ours is not None or step is not None:
             transfer_stats_data = {
-                k: v for k, v in transfer_stats_data.items() if k != KEY
+                k: v for k, v in transfer_stats_data.items() if k not in _OURS
             }
         if self.children is not None and transfer_stats_data:
             self.children.observe(transfer_stats_data, engine_idx)
