@@ -1,0 +1,196 @@
+"""The serve benchmark's results: each configuration's summary over its
+runs, the table (text or Markdown), and the ratio to vLLM's MultiConnector.
+
+Pure functions of the run records ``benches.serve.runner`` makes (no vLLM,
+no kvmerge): ``tests/bench`` checks them on canned records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+#: The configuration the ratio is taken against, and the one it is taken of.
+BASELINE = "multi"
+OURS = "kvmerge"
+#: kvmerge's request throughput over the baseline's: the target.
+TARGET = 0.98
+
+COLUMNS = (
+    ("config", "<"),
+    ("runs", ">"),
+    ("req/s", ">"),
+    ("(per run)", "<"),
+    ("TTFT p50 ms", ">"),
+    ("TTFT p99 ms", ">"),
+    ("ITL p50 ms", ">"),
+    ("ITL p99 ms", ">"),
+    ("step ms", ">"),
+    ("kvmerge us/step", ">"),
+    ("kvmerge share", ">"),
+    ("events/step", ">"),
+)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """``p``-th percentile, linear between the closest ranks (numpy's
+    default); NaN for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _flat(values: Iterable[Any]) -> list[float]:
+    out: list[float] = []
+    for v in values:
+        if isinstance(v, list):
+            out.extend(float(x) for x in v)
+        elif v is not None:
+            out.append(float(v))
+    return out
+
+
+def summarise(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One configuration's runs pooled: requests over the benchmark's
+    durations, latency percentiles over every request (TTFT) and every token
+    gap (ITL); the engine's mean step period (the benchmark's seconds over
+    vLLM's count of engine steps with output, ``iteration_tokens``), kvmerge's
+    time per step (its seconds over its own count of steps) and its share of
+    the benchmark's seconds."""
+    results = [r["result"] for r in runs]
+    duration = sum(float(x["duration"]) for x in results)
+    completed = sum(int(x["completed"]) for x in results)
+    ttfts = _flat(t for x in results for t in x.get("ttfts", []))
+    itls = _flat(i for x in results for i in x.get("itls", []))
+    metrics = [r["metrics"] for r in runs]
+    steps = sum(m.get("engine_steps", 0.0) for m in metrics)
+    ours_steps = sum(m.get("kvmerge_steps") or 0.0 for m in metrics)
+    ours_s = sum(m.get("kvmerge_step_seconds") or 0.0 for m in metrics)
+    published = sum(m.get("kvmerge_published") or 0.0 for m in metrics)
+    step_s = duration / steps if steps else math.nan
+    ours_step_s = ours_s / ours_steps if ours_steps else math.nan
+    return {
+        "runs": len(runs),
+        "completed": completed,
+        "failed": sum(int(x.get("failed", 0)) for x in results),
+        "duration_s": duration,
+        "req_s": completed / duration if duration else math.nan,
+        "req_s_runs": [float(x["request_throughput"]) for x in results],
+        "ttft_ms": {p: percentile(ttfts, p) * 1e3 for p in (50, 99)},
+        "itl_ms": {p: percentile(itls, p) * 1e3 for p in (50, 99)},
+        "engine_steps": steps,
+        "step_ms": step_s * 1e3,
+        "kvmerge_steps": ours_steps,
+        "kvmerge_us_per_step": ours_step_s * 1e6,
+        # Its seconds over the benchmark's: the engine core's time in it.
+        "kvmerge_share": ours_s / duration if ours_steps and duration else math.nan,
+        "events_per_step": published / ours_steps if ours_steps else math.nan,
+    }
+
+
+def summaries(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per configuration, in the order the configurations first ran."""
+    by: dict[str, list[Mapping[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["config"], []).append(r)
+    return {name: summarise(rs) for name, rs in by.items()}
+
+
+def ratio(summary: Mapping[str, Mapping[str, Any]]) -> float | None:
+    """kvmerge's request throughput over the baseline's (None without both)."""
+    if OURS not in summary or BASELINE not in summary:
+        return None
+    return float(summary[OURS]["req_s"]) / float(summary[BASELINE]["req_s"])
+
+
+def _num(x: float, digits: int = 2) -> str:
+    if x != x:  # NaN
+        return "-"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.{digits}f}"
+
+
+def row(name: str, s: Mapping[str, Any]) -> list[str]:
+    share = s["kvmerge_share"]
+    return [
+        name,
+        str(s["runs"]),
+        _num(s["req_s"]),
+        " ".join(_num(x) for x in s["req_s_runs"]),
+        _num(s["ttft_ms"][50]),
+        _num(s["ttft_ms"][99]),
+        _num(s["itl_ms"][50]),
+        _num(s["itl_ms"][99]),
+        _num(s["step_ms"]),
+        _num(s["kvmerge_us_per_step"], 1),
+        "-" if share != share else f"{share * 100:.2f}%",
+        _num(s["events_per_step"], 1),
+    ]
+
+
+def table(summary: Mapping[str, Mapping[str, Any]], markdown: bool = False) -> str:
+    rows = [row(name, s) for name, s in summary.items()]
+    heads = [c for c, _ in COLUMNS]
+    if markdown:
+        lines = ["| " + " | ".join(heads) + " |"]
+        lines.append(
+            "|" + "|".join(" --- " if a == "<" else " ---: " for _, a in COLUMNS) + "|"
+        )
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
+    out = []
+    for cells in (heads, *rows):
+        out.append(
+            "  ".join(
+                f"{c:{a}{w}}"
+                for c, (_, a), w in zip(cells, COLUMNS, widths, strict=True)
+            ).rstrip()
+        )
+    return "\n".join(out)
+
+
+def verdict(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    r = ratio(summary)
+    if r is None:
+        return f"ratio: needs both {OURS!r} and {BASELINE!r}"
+    met = "met" if r >= TARGET else "NOT met"
+    return (
+        f"{OURS} / {BASELINE} request throughput: {r * 100:.1f}% "
+        f"(target >= {TARGET * 100:.0f}%: {met})"
+    )
+
+
+def failures(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Configurations where a request failed or none completed."""
+    return [
+        f"{name}: {s['failed']} failed, {s['completed']} completed"
+        for name, s in summary.items()
+        if s["failed"] or not s["completed"]
+    ]
+
+
+def render(doc: Mapping[str, Any], markdown: bool = False) -> str:
+    """The document's table, the ratio and the run order, as printed."""
+    summary = summaries(doc["runs"])
+    order = " ".join(r["config"] for r in doc["runs"])
+    loads = ", ".join(
+        f"{r['config']} {r['load'][0]:.2f}->{r['load'][1]:.2f}" for r in doc["runs"]
+    )
+    parts = [
+        table(summary, markdown),
+        "",
+        verdict(summary),
+        f"order: {order}",
+        f"load average (1 min) before -> after each run: {loads}",
+    ]
+    parts += [f"FAILED: {f}" for f in failures(summary)]
+    return "\n".join(parts)

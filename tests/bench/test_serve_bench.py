@@ -1,0 +1,201 @@
+"""``benches.serve``: its options, its run order, and its report on canned
+records (vllm bench serve's JSON, /metrics deltas): no server here, and no
+timing checked."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benches.serve import main, order, parse
+from benches.serve.report import percentile, ratio, render, summaries, verdict
+from benches.serve.runner import CONFIGS, delta, scrape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_module_and_its_options_import_no_vllm():
+    code = (
+        "import sys, benches.serve as b, benches.serve.runner; b.parse([]); "
+        "assert 'vllm' not in sys.modules, 'vllm imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_options():
+    args = parse([])
+    assert args.configs == ["kvmerge", "multi", "events-off"] == list(CONFIGS)
+    assert (args.rounds, args.tp, args.num_prompts) == (2, 2, 960)
+    assert not args.example
+    quick = parse(["--quick", "--configs", "multi,kvmerge"])
+    assert (quick.rounds, quick.num_prompts, quick.configs) == (
+        1,
+        48,
+        ["multi", "kvmerge"],
+    )
+    for bad in (
+        ["--configs", "kvmerge,nope"],
+        ["--configs", "multi,multi"],
+        ["--rounds", "0"],
+        ["--prefix-len", "500"],
+    ):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+
+def test_rounds_alternate_their_order():
+    names = ["kvmerge", "multi", "events-off"]
+    assert [n for _, n in order(names, 2)] == [*names, *reversed(names)]
+    assert [r for r, _ in order(names, 3)] == [0] * 3 + [1] * 3 + [2] * 3
+
+
+def test_configurations_differ_only_in_connector_and_events():
+    k, m, off = CONFIGS["kvmerge"], CONFIGS["multi"], CONFIGS["events-off"]
+    assert (k.kvmerge, k.kv_events) == (True, True)
+    assert (m.kvmerge, m.kv_events) == (False, True)
+    assert (off.kvmerge, off.kv_events) == (False, False)
+
+
+METRICS = """\
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 120.0
+vllm:kvmerge_steps_total{engine="0",model_name="m"} 118.0
+vllm:kvmerge_published_total{connector="connectors[0] (A)",engine="0"} 30.0
+vllm:kvmerge_published_total{connector="connectors[1] (B)",engine="0"} 12.0
+"""
+
+
+def test_metrics_are_summed_over_labels_and_differenced():
+    got = scrape(METRICS)
+    assert got["engine_steps"] == 120 and got["kvmerge_steps"] == 118
+    assert got["kvmerge_published"] == 42
+    assert got["kvmerge_step_seconds"] is None
+    before = dict(got, engine_steps=20.0, kvmerge_published=None)
+    d = delta(before, got)
+    assert d["engine_steps"] == 100 and d["kvmerge_published"] == 42
+    assert d["kvmerge_step_seconds"] is None
+
+
+def record(config, duration, completed, ttfts, itls, metrics, load=(1.0, 1.5)):
+    return {
+        "config": config,
+        "round": 0,
+        "load": list(load),
+        "result": {
+            "duration": duration,
+            "completed": completed,
+            "failed": 0,
+            "request_throughput": completed / duration,
+            "ttfts": ttfts,
+            "itls": itls,
+        },
+        "metrics": metrics,
+    }
+
+
+RUNS = [
+    record(
+        "kvmerge",
+        10.0,
+        40,
+        [0.1, 0.2, 0.3],
+        [[0.01, 0.02], [0.03]],
+        {
+            "engine_steps": 400.0,
+            "kvmerge_steps": 400.0,
+            "kvmerge_step_seconds": 0.2,
+            "kvmerge_published": 800.0,
+        },
+    ),
+    record(
+        "multi",
+        9.8,
+        40,
+        [0.1, 0.2, 0.4],
+        [[0.01], [0.02, 0.04]],
+        {"engine_steps": 392.0, "kvmerge_steps": None},
+    ),
+    record("multi", 10.2, 40, [0.2], [[0.02]], {"engine_steps": 408.0}),
+    record(
+        "kvmerge",
+        10.0,
+        40,
+        [0.4],
+        [[0.04]],
+        {
+            "engine_steps": 400.0,
+            "kvmerge_steps": 400.0,
+            "kvmerge_step_seconds": 0.2,
+            "kvmerge_published": 800.0,
+        },
+    ),
+]
+
+
+def test_percentiles_are_numpys_linear_ones():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([4, 1, 3, 2], 99) == pytest.approx(3.97)
+    assert percentile([5], 99) == 5
+    assert math.isnan(percentile([], 50))
+
+
+def test_runs_are_pooled_per_configuration():
+    s = summaries(RUNS)
+    assert list(s) == ["kvmerge", "multi"]
+    k, m = s["kvmerge"], s["multi"]
+    assert k["runs"] == 2 and k["completed"] == 80
+    assert k["req_s"] == pytest.approx(80 / 20.0)
+    assert m["req_s"] == pytest.approx(80 / 20.0)
+    assert m["req_s_runs"] == pytest.approx([40 / 9.8, 40 / 10.2])
+    assert k["ttft_ms"][50] == pytest.approx(250.0)
+    assert k["itl_ms"][50] == pytest.approx(25.0)
+    # 20 s over 800 steps: 25 ms a step; kvmerge's 0.4 s over its 800
+    # steps: 500 us, and 2% of the 20 s.
+    assert k["step_ms"] == pytest.approx(25.0)
+    assert k["kvmerge_us_per_step"] == pytest.approx(500.0)
+    assert k["kvmerge_share"] == pytest.approx(0.02)
+    assert k["events_per_step"] == pytest.approx(2.0)
+    assert math.isnan(m["kvmerge_us_per_step"]) and math.isnan(m["kvmerge_share"])
+    assert ratio(s) == pytest.approx(1.0)
+    assert "100.0%" in verdict(s) and "met" in verdict(s)
+
+
+def test_a_slower_kvmerge_misses_the_target():
+    slow = [dict(r, result=dict(r["result"])) for r in RUNS]
+    for r in slow:
+        if r["config"] == "kvmerge":
+            r["result"]["duration"] = 10.5
+    s = summaries(slow)
+    assert ratio(s) == pytest.approx(20.0 / 21.0)
+    assert "95.2%" in verdict(s) and "NOT met" in verdict(s)
+    assert ratio(summaries(RUNS[1:3])) is None
+
+
+def test_the_table_as_text_and_markdown(tmp_path, capsys):
+    doc = {"runs": RUNS}
+    text = render(doc)
+    head, kvmerge_row, multi_row = text.splitlines()[:3]
+    assert head.split()[:3] == ["config", "runs", "req/s"]
+    assert kvmerge_row.split()[:3] == ["kvmerge", "2", "4.00"]
+    # step ms, kvmerge us/step, its share of the step, events per step
+    assert kvmerge_row.split()[-4:] == ["25.0", "500", "2.00%", "2.0"]
+    assert multi_row.split()[0] == "multi" and multi_row.rstrip().endswith("-")
+    assert "order: kvmerge multi multi kvmerge" in text
+    md = render(doc, markdown=True).splitlines()
+    assert md[0].startswith("| config | runs | req/s |")
+    assert md[1].startswith("| --- | ---: | ---: |")
+    assert md[2].startswith("| kvmerge | 2 | 4.00 | 4.00 4.00 | 250 |")
+    saved = tmp_path / "serve.json"
+    saved.write_text(json.dumps(doc))
+    assert main(["--render", str(saved), "--markdown"]) == 0
+    assert capsys.readouterr().out.strip() == "\n".join(md)
+
+
+def test_a_failed_request_is_reported():
+    bad = [dict(RUNS[0], result=dict(RUNS[0]["result"], failed=3))]
+    assert "FAILED: kvmerge: 3 failed, 40 completed" in render({"runs": bad})
