@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvmerge.sim.dynamo import DynamoIndexer
+from kvmerge.sim.model import served_model_dir
 from kvmerge.sim.served import (
     DAMAGED,
     UPSTREAM,
@@ -26,7 +27,13 @@ from kvmerge.sim.served import (
     ServedResult,
     serve_run,
 )
-from kvmerge.sim.server import BLOCK_SIZE, cpu_python
+from kvmerge.sim.server import (
+    BLOCK_SIZE,
+    Server,
+    ServerError,
+    ServerOptions,
+    cpu_python,
+)
 
 pytestmark = pytest.mark.serve
 
@@ -158,3 +165,30 @@ def test_each_replica_publishes_on_its_own_endpoint_with_its_rank(replicas):
         assert r.result.children_stream, r.dp_rank
         assert r.result.by_medium.get("GPU", 0) > 0
     assert not replicas.killed
+
+
+def test_the_ray_executor_stops_where_vllms_cpu_platform_refuses_ray(tmp_path):
+    """``--distributed-executor-backend ray`` cannot run on vLLM 0.32's CPU
+    build: its engine core stops in ``initialize_ray_cluster``
+    (``v1/executor/ray_utils.py``), the CPU platform having no
+    ``ray_device_key``, before any connector exists. kvmerge's Ray transport
+    is tested at the harness level (tests/plugin/test_ray.py). When this
+    starts to pass the server, the Ray run belongs here."""
+    server = Server(
+        ServerOptions(
+            model=served_model_dir(tmp_path, 2),
+            tp=2,
+            extra_args=["--distributed-executor-backend", "ray"],
+        ),
+        tmp_path,
+    )
+    try:
+        with pytest.raises(ServerError, match="before it was ready"):
+            server.start()
+    finally:
+        server.stop()
+    log = server.log()
+    assert "current platform cpu does not support ray" in log
+    assert "initialize_ray_cluster" in log
+    assert "KVMergeMultiConnector" not in log
+    assert not server.killed

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,6 +98,9 @@ class Server:
     def __init__(self, opts: ServerOptions, workdir: str | os.PathLike[str]) -> None:
         self.opts = opts
         self.dir = Path(tempfile.mkdtemp(prefix="kvmerge-serve-", dir=workdir))
+        # Sockets (ipc, vLLM's RPC, Ray's) live here: a path of at most 107
+        # bytes each, so a short folder of the system's, whatever workdir is.
+        self.scratch = Path(tempfile.mkdtemp(prefix="kvs"))
         self.python = opts.python or cpu_python()
         self.port = 0
         if opts.dp > 1:
@@ -106,8 +110,8 @@ class Server:
             self.endpoint = f"tcp://*:{pub}"
             self.replay_endpoint = f"tcp://*:{replay}"
         else:
-            self.endpoint = f"ipc://{self.dir / 'kv'}"
-            self.replay_endpoint = f"ipc://{self.dir / 'kv-replay'}"
+            self.endpoint = f"ipc://{self.scratch / 'kv'}"
+            self.replay_endpoint = f"ipc://{self.scratch / 'kv-replay'}"
         self.log_path = self.dir / "server.log"
         self.ready_s = 0.0
         self.leaked: list[str] = []
@@ -150,8 +154,7 @@ class Server:
         }
 
     def env(self) -> dict[str, str]:
-        scratch = self.dir / "scratch"
-        scratch.mkdir(exist_ok=True)
+        scratch = self.scratch
         env = dict(os.environ)
         for name in ("PYTHONPATH", "VIRTUAL_ENV"):
             env.pop(name, None)  # the server's venv is its own
@@ -160,6 +163,7 @@ class Server:
             VLLM_CACHE_ROOT=str(scratch / "vllm"),
             TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
             VLLM_RPC_BASE_PATH=str(scratch),
+            RAY_TMPDIR=str(scratch / "ray"),
             HF_HUB_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",
             VLLM_CPU_KVCACHE_SPACE="1",
@@ -237,8 +241,11 @@ class Server:
         shared memory the run left behind is removed (and listed in
         ``leaked``)."""
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
+        if proc is not None:
+            self._stop(proc, timeout)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _stop(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
         pgid = proc.pid
         pids = _group_pids(pgid)
         owned = _shm_used_by(pids)
