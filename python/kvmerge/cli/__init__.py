@@ -1,7 +1,9 @@
 """The `kvmerge` command.
 
 Each subcommand lives in its own module, which provides
-`add_arguments(parser)` and `run(args) -> int` (the exit code). Those modules
+`add_arguments(parser)` and `run(args) -> int` (the exit code), and may
+provide `check_arguments(args) -> str | None`: why options that each parse
+do not fit together (an error, exit status 2, like argparse's). Those modules
 import vLLM inside `run`, not at their top, so `kvmerge --help` and option
 errors answer at once.
 """
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         adder = getattr(_load(module), "add_arguments", None)
         if adder is not None:
             adder(p)
+        p.set_defaults(command_parser=p)
     return parser
 
 
@@ -62,6 +65,10 @@ def _load(module: str):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module = _load(SUBCOMMANDS[args.command][0])
+    check = getattr(module, "check_arguments", None)
+    problem = check(args) if check is not None else None
+    if problem:
+        args.command_parser.error(problem)
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:

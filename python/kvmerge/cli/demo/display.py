@@ -111,6 +111,34 @@ def stream_text(s: Snapshot) -> str:
     )
 
 
+def published_text(r: Any) -> str:
+    """What a run (``kvmerge.sim.run.Result``) published, by medium."""
+    media = ", ".join(f"{m} {n:,}" for m, n in sorted(r.by_medium.items()))
+    return (
+        f"published {r.published:,} batches, {len(r.stream):,} events "
+        f"(by medium: {media})"
+    )
+
+
+def show_checks(
+    d: PlainDisplay | RichDisplay,
+    checks: Sequence[Any],
+    examples: Sequence[str] = (),
+    final: bool = True,
+) -> bool:
+    """Prints each check as ok or FAIL (and, when ``final``, the result);
+    whether every one passed."""
+    d.print("checks:")
+    for c in checks:
+        d.print(f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.text}")
+    for example in examples:
+        d.print(f"       e.g. {example}")
+    ok = all(c.ok for c in checks)
+    if final:
+        d.print("result: every check passed" if ok else "result: FAILED (see above)")
+    return ok
+
+
 class PlainDisplay:
     """Lines on stdout; a progress line every tenth of the steps."""
 

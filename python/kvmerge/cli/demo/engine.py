@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .display import (
@@ -33,6 +34,8 @@ from .display import (
     fmt_ms,
     make_display,
     percentile,
+    published_text,
+    show_checks,
     total,
 )
 
@@ -56,6 +59,9 @@ class _Interrupt:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signum: int = signal.SIGINT
+        #: While set, a second SIGINT is ignored too: what runs must not be
+        #: cut short (the server's stop).
+        self.shield = False
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _Interrupt:
@@ -69,7 +75,7 @@ class _Interrupt:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.event.is_set():
-            if signum == signal.SIGINT:
+            if signum == signal.SIGINT and not self.shield:
                 raise KeyboardInterrupt
             return
         self.signum = signum
@@ -105,17 +111,31 @@ def options(args: argparse.Namespace) -> Any:
     )
 
 
-def _router(args: argparse.Namespace) -> Any:
-    """A started Dynamo indexer, or None."""
+def router(args: argparse.Namespace, block_size: int) -> Any:
+    """A started Dynamo indexer for blocks of ``block_size`` tokens, or None."""
     if args.router != "dynamo":
         return None
     from kvmerge.sim.dynamo import DynamoIndexer
+
+    return DynamoIndexer(args.dynamo_python, block_size).start()
+
+
+def _router(args: argparse.Namespace) -> Any:
     from kvmerge.sim.model import BLOCK_SIZE
 
-    return DynamoIndexer(args.dynamo_python, BLOCK_SIZE).start()
+    return router(args, BLOCK_SIZE)
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    return launch(args, _Demo)
+
+
+def launch(
+    args: argparse.Namespace,
+    demo: Callable[[argparse.Namespace, PlainDisplay | RichDisplay, _Interrupt], Any],
+) -> int:
+    """Runs ``demo(args, display, interrupt).run()``: vLLM's logs quietened,
+    the router resolved, Ctrl-C and SIGTERM caught; its exit status."""
     if not args.verbose:
         _quiet_logs()
     if args.router == "auto":
@@ -133,7 +153,7 @@ def run_demo(args: argparse.Namespace) -> int:
     display = make_display(args.plain)
     with _Interrupt() as interrupt:
         try:
-            return _Demo(args, display, interrupt).run()
+            return int(demo(args, display, interrupt).run())
         except KeyboardInterrupt:
             display.print("interrupted")
             return interrupt.exit_code
@@ -242,7 +262,9 @@ class _Demo:
 
         rows = []
         for index, family in enumerate(self.args.connectors):
-            row = ChildRow(FAMILY[family].cls.__name__, _rule_text(family, self.args))
+            row = ChildRow(
+                FAMILY[family].cls.__name__, rule_text(family, self.args.workers)
+            )
             st = merge_stats[index] if index < len(merge_stats) else None
             if st:
                 row.reports = st["reports"]
@@ -296,26 +318,12 @@ class _Demo:
             f" p50 {fmt_ms(p50 / 1e6 if p50 else None)}, "
             f"p99 {fmt_ms(p99 / 1e6 if p99 else None)}"
         )
-        media = ", ".join(f"{m} {n:,}" for m, n in sorted(r.by_medium.items()))
-        d.print(
-            f"published {r.published:,} batches, {len(r.stream):,} events "
-            f"(by medium: {media})"
-        )
+        d.print(published_text(r))
         checks = r.checks()
         if not final:
             # An interrupted run: the tail of the stream may be cut off.
             checks = [c for c in checks if c.name == "parents"]
-        d.print("checks:")
-        for c in checks:
-            d.print(f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.text}")
-        for example in r.parents.examples:
-            d.print(f"       e.g. {example}")
-        ok = all(c.ok for c in checks)
-        if final:
-            d.print(
-                "result: every check passed" if ok else "result: FAILED (see above)"
-            )
-        return ok
+        return show_checks(d, checks, r.parents.examples, final)
 
     def _compare(self, processes: Any) -> None:
         from kvmerge.sim.children import FAMILY
@@ -348,7 +356,7 @@ class _Demo:
             rows.append(
                 [
                     FAMILY[family].cls.__name__,
-                    _rule_text(family, args),
+                    rule_text(family, args.workers),
                     f"{ours.by_medium.get(m, 0):,}",
                     f"{theirs.by_medium.get(m, 0):,}",
                 ]
@@ -385,10 +393,10 @@ class _Demo:
             self.compare_failed = True
 
 
-def _rule_text(family: str, args: argparse.Namespace) -> str:
+def rule_text(family: str, workers: int) -> str:
     from kvmerge.sim.children import FAMILY, mooncake_factors
 
     rule = FAMILY[family].rule
     if rule == "quorum":
-        return f"{rule} {list(mooncake_factors(args.workers))}"
+        return f"{rule} {list(mooncake_factors(workers))}"
     return rule
