@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,8 @@ class Replayed:
     reports: int
     #: Reports the connector must refuse (a rank's damaged step).
     refused: int
+    #: The reference merger's counters at the end (``Stats.as_dict``).
+    counters: dict[str, int] = field(default_factory=dict)
 
     @property
     def events(self) -> list[Any]:
@@ -155,6 +157,7 @@ def expected(
             out.reports += len(events)
             merger.add(rank, events)
         out.steps.append(merger.finish_step())
+    out.counters = merger.stats.as_dict()
     return out
 
 

@@ -168,6 +168,8 @@ def _replica_checks(replica: Replica) -> list[Check]:
         label: {
             "reports": float(r.reports),
             "published": float(len(r.events)),
+            "expired": float(r.counters["expired"]),
+            "cleared": float(r.counters["cleared"]),
             "refused": float(r.refused),
         }
         for label, r in replica.replayed
@@ -181,7 +183,7 @@ def _replica_checks(replica: Replica) -> list[Check]:
         Check(
             got == want,
             "metrics",
-            "vllm:kvmerge_{reports,published,refused}_total "
+            "vllm:kvmerge_{reports,published,expired,cleared,refused}_total "
             + ("equal" if got == want else f"{got}, not")
             + f" the stream's and the records' {counts}",
         )
