@@ -16,8 +16,8 @@ A release of vLLM that lacks a family's module simply lacks the family
 (``available``): nothing imports it there, and no worker can report it.
 
 Adding a family: one ``FamilyInfo`` here, and its simulated child in
-``kvmerge.sim.children`` (the test that every available family has one says
-so when it is missing).
+``kvmerge.sim.children`` (``test_families`` fails for a registered family
+without one).
 
 Importing this module imports no vLLM.
 """
@@ -74,7 +74,7 @@ class Factors:
 class FamilyInfo:
     """One connector family."""
 
-    #: The name workers record (``kvmerge_families`` in the docs' tables).
+    #: The name workers record (the first column of the docs' tables).
     name: str
     #: The module of the container class and of the upstream connector.
     module: str
