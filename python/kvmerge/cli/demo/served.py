@@ -30,6 +30,8 @@ from typing import Any
 from .display import PlainDisplay, RichDisplay, published_text, show_checks
 from .engine import EXIT_FAILED, EXIT_OK, launch, router, rule_text
 
+#: How much of the server's log a failed run shows.
+LOG_TAIL = 3000
 #: Seconds between two progress lines.
 PROGRESS_EVERY = 10.0
 #: The server's own counters that the progress lines show.
@@ -41,6 +43,7 @@ CHILD_HEADERS = (
     "events in",
     "out",
     "expired",
+    "cleared",
     "refused",
     "replayed in",
     "replayed out",
@@ -92,6 +95,10 @@ def command_text(command: list[str]) -> str:
     return " \\\n".join(lines)
 
 
+class _Failed(Exception):
+    """A run failed (and said why)."""
+
+
 class _ServedDemo:
     def __init__(
         self,
@@ -108,6 +115,13 @@ class _ServedDemo:
         self.opts: Any = None
 
     def run(self) -> int:
+        try:
+            return self._run()
+        except _Failed:
+            self.display.print("result: FAILED (see above)")
+            return EXIT_FAILED
+
+    def _run(self) -> int:
         d, args = self.display, self.args
         d.status("importing vLLM ...")
         from kvmerge.sim.children import FAMILY
@@ -159,7 +173,8 @@ class _ServedDemo:
 
     def _one(self, opts: Any, indexer: Any, name: str) -> Any:
         """One ``ServedRun``, watched: its ``ServedResult``, or None when
-        interrupted (the server stopped). A failed run raises."""
+        interrupted (the server stopped). A failed run prints why (and the
+        server's log's end) and raises ``_Failed``."""
         from kvmerge.sim.served import ServedRun
 
         d = self.display
@@ -176,20 +191,24 @@ class _ServedDemo:
         d.print(f"{name}: starting vllm serve ...")
         thread = threading.Thread(target=target, name="kvmerge-served", daemon=True)
         thread.start()
+        tail = ""
         try:
             self._watch(run, thread)
         finally:
             if thread.is_alive():
                 self._stop(run, thread)
+            if "error" in out and run.server is not None:
+                tail = run.server.log_tail(LOG_TAIL)
             run.close()
         if self.interrupt:
             d.print("interrupted: vllm serve stopped, shared memory released")
             return None
         if "error" in out:
             error = out["error"]
-            if self.args.verbose and run.server is not None:
-                d.print(run.server.log_tail())
-            raise error
+            if tail:
+                d.print(f"the server's log ends:\n{tail}")
+            d.print(f"error: {type(error).__name__}: {error}")
+            raise _Failed from error
         return out["result"]
 
     def _stop(self, run: Any, thread: threading.Thread) -> None:
@@ -264,9 +283,11 @@ class _ServedDemo:
             f"{served.example_hits} external cache hits; "
             f"{time.monotonic() - self.started:.1f}s in all, start-up included"
         )
-        d.table(CHILD_HEADERS, self._children(served), right=range(2, 8))
+        d.table(
+            CHILD_HEADERS, self._children(served), right=range(2, len(CHILD_HEADERS))
+        )
         d.print(
-            "  (events in, out, expired, refused: the server's "
+            "  (events in, out, expired, cleared, refused: the server's "
             "vllm:kvmerge_*_total; replayed: the ranks' recorded reports "
             "through the reference model of the rules)"
         )
@@ -283,7 +304,13 @@ class _ServedDemo:
                     rule_text(self.opts.families[i], self.opts.tp),
                     *(
                         f"{int(m.get(k, 0)):,}"
-                        for k in ("reports", "published", "expired", "refused")
+                        for k in (
+                            "reports",
+                            "published",
+                            "expired",
+                            "cleared",
+                            "refused",
+                        )
                     ),
                     f"{replay.reports:,}",
                     f"{len(replay.events):,}",
