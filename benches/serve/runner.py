@@ -11,6 +11,7 @@ tokenizer (``kvmerge.sim.model.served_model_dir``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -87,7 +88,7 @@ def transfer_config(config: Config, args: Any, dir: Path) -> dict[str, Any]:
     """``--kv-transfer-config``: ``kvmerge.sim.served``'s, without the
     children's recording (it writes every rank's reports to disk each step,
     and only under kvmerge: vLLM's MultiConnector never asks for them)."""
-    from kvmerge.sim.record import RECORD_KEY
+    from kvmerge.sim.children import EXTRA_KEY, ChildSettings
     from kvmerge.sim.served import UPSTREAM, ServedOptions, connector_config
 
     opts = ServedOptions(
@@ -100,8 +101,9 @@ def transfer_config(config: Config, args: Any, dir: Path) -> dict[str, Any]:
     cfg = connector_config(opts, dir / "records", dir / "example")
     for child in cfg["kv_connector_extra_config"]["connectors"]:
         extra = child["kv_connector_extra_config"]
-        if RECORD_KEY in extra:
-            extra[RECORD_KEY] = None
+        if EXTRA_KEY in extra:
+            settings = ChildSettings.from_extra(extra)
+            extra.update(dataclasses.replace(settings, record=None).to_extra())
     return cfg
 
 

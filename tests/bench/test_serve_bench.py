@@ -199,3 +199,25 @@ def test_the_table_as_text_and_markdown(tmp_path, capsys):
 def test_a_failed_request_is_reported():
     bad = [dict(RUNS[0], result=dict(RUNS[0]["result"], failed=3))]
     assert "FAILED: kvmerge: 3 failed, 40 completed" in render({"runs": bad})
+
+
+@pytest.mark.vllm
+def test_no_child_records_its_reports(tmp_path):
+    """Recording writes every rank's reports to disk each step, and only
+    under kvmerge (vLLM's MultiConnector never asks for them): the benchmark
+    turns it off in every configuration."""
+    from benches.serve.runner import transfer_config
+    from kvmerge.sim.children import EXTRA_KEY, ChildSettings
+
+    for config in CONFIGS.values():
+        cfg = transfer_config(config, parse([]), tmp_path)
+        children = [
+            c["kv_connector_extra_config"]
+            for c in cfg["kv_connector_extra_config"]["connectors"]
+        ]
+        simulated = [c for c in children if EXTRA_KEY in c]
+        assert len(simulated) == 2, children
+        assert [ChildSettings.from_extra(c).record for c in simulated] == [None] * 2
+        assert cfg["kv_connector"] == (
+            "KVMergeMultiConnector" if config.kvmerge else "MultiConnector"
+        )
