@@ -81,7 +81,7 @@ def test_each_present_family_names_real_classes_that_behave_as_registered(name):
     else:
         module, _, cls = info.scheduler.partition(":")
         scheduler = getattr(importlib.import_module(module), cls)
-        # The stand-ins (sim, benches, tests) have the hook where vLLM's has.
+        # The simulation's and the benches' stand-ins have it where vLLM's has.
         assert hasattr(scheduler, HOOK) is info.hook
         assert hasattr(sim_children.scheduler_for(info), HOOK) is info.hook
     sim = sim_children.SIMULATED[name].cls
