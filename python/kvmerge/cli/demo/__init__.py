@@ -303,42 +303,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # The server demo's defaults are kvmerge.sim.served.ServedOptions's
     # (None here: that module imports vLLM); the help names them.
     server = parser.add_argument_group("the real server (--server)")
-    server.add_argument(
-        "--requests",
-        action=_Given,
-        type=_int_in(1, 10_000),
-        default=None,
-        metavar="N",
-        help="completions to request over HTTP, with shared prefixes (default 48)",
-    )
-    server.add_argument(
-        "--concurrency",
-        action=_Given,
-        type=_int_in(1, 256),
-        default=None,
-        metavar="N",
-        help="requests in flight at once: more than the small KV cache holds, "
-        "so that requests are preempted (default 6)",
-    )
-    server.add_argument(
-        "--waves",
-        action=_Given,
-        type=_int_in(1, 100),
-        default=None,
-        metavar="N",
-        help="the requests in N waves, the prefix cache (and the connectors') "
-        "reset between two (default 3)",
-    )
-    server.add_argument(
-        "--damage",
-        action=_Given,
-        type=_int_in(0),
-        default=None,
-        metavar="N",
-        help="the Mooncake child's last rank damages its report every N-th "
-        "step: kvmerge must refuse exactly those (vllm:kvmerge_refused_total) "
-        "and publish everything else; 0: never (default 0)",
-    )
+    for flag, parse, help_ in (
+        (
+            "--requests",
+            _int_in(1, 10_000),
+            "completions to request over HTTP, with shared prefixes (default 48)",
+        ),
+        (
+            "--concurrency",
+            _int_in(1, 256),
+            "requests in flight at once: more than the small KV cache holds, "
+            "so that requests are preempted (default 6)",
+        ),
+        (
+            "--waves",
+            _int_in(1, 100),
+            "the requests in N waves, the prefix cache (and the connectors') "
+            "reset between two (default 3)",
+        ),
+        (
+            "--damage",
+            _int_in(0),
+            "the Mooncake child's last rank damages its report every N-th "
+            "step: kvmerge must refuse exactly those (vllm:kvmerge_refused_total) "
+            "and publish everything else; 0: never (default 0)",
+        ),
+    ):
+        server.add_argument(
+            flag, action=_Given, type=parse, default=None, metavar="N", help=help_
+        )
     server.add_argument(
         "--vllm-python",
         action=_Given,

@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .display import (
@@ -180,9 +180,7 @@ class _Demo:
         from kvmerge.sim.run import Run
 
         import_s = time.monotonic() - t
-        children = ", ".join(
-            f"{FAMILY[k].cls.__name__} ({FAMILY[k].rule})" for k in args.connectors
-        )
+        children = children_text(args.connectors, lambda k: FAMILY[k].rule)
         d.print(
             f"kvmerge demo: vLLM's scheduler, {args.workers} worker processes (TP "
             f"ranks), {args.steps} steps, {args.rate:g} requests per step on "
@@ -391,6 +389,13 @@ class _Demo:
         )
         if not same:
             self.compare_failed = True
+
+
+def children_text(families: Iterable[str], rule: Callable[[str], str]) -> str:
+    """``SimLMCache (all), ...``: each child's class and ``rule(family)``."""
+    from kvmerge.sim.children import FAMILY
+
+    return ", ".join(f"{FAMILY[k].cls.__name__} ({rule(k)})" for k in families)
 
 
 def rule_text(family: str, workers: int) -> str:

@@ -28,7 +28,14 @@ import time
 from typing import Any
 
 from .display import PlainDisplay, RichDisplay, published_text, show_checks
-from .engine import EXIT_FAILED, EXIT_OK, launch, router, rule_text
+from .engine import (
+    EXIT_FAILED,
+    EXIT_OK,
+    children_text,
+    launch,
+    router,
+    rule_text,
+)
 
 #: How much of the server's log a failed run shows.
 LOG_TAIL = 3000
@@ -124,7 +131,6 @@ class _ServedDemo:
     def _run(self) -> int:
         d, args = self.display, self.args
         d.status("importing vLLM ...")
-        from kvmerge.sim.children import FAMILY
         from kvmerge.sim.served import UPSTREAM
         from kvmerge.sim.server import BLOCK_SIZE
 
@@ -135,9 +141,7 @@ class _ServedDemo:
             del os.environ[name]
         os.environ.update(self.server_env)
         opts = self.opts = served_options(args)
-        children = ", ".join(
-            f"{FAMILY[f].cls.__name__} ({rule_text(f, opts.tp)})" for f in opts.families
-        )
+        children = children_text(opts.families, lambda f: rule_text(f, opts.tp))
         d.print(
             f"kvmerge demo --server: vllm serve at TP {opts.tp} on this CPU, "
             f"{opts.requests} requests over HTTP, {opts.concurrency} at a time, "
