@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from benches.compare import build_parser as bench_parser
+from benches.serve import build_parser as serve_bench_parser
 from kvmerge.cli import build_parser as cli_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,7 @@ PREFIXES: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("python", "-m", "kvmerge"): ("kvmerge", ()),
     (".ci/demo",): ("kvmerge", ("demo",)),
     ("python", "-m", "benches.compare"): ("benches.compare", ()),
+    ("python", "-m", "benches.serve"): ("benches.serve", ()),
 }
 #: Where a command line ends, in a shell.
 SHELL_ENDS = {"|", "||", "&&", ";", ">", ">>", "2>&1", "&"}
@@ -40,7 +42,10 @@ SHELL_ENDS = {"|", "||", "&&", ";", ">", ">>", "2>&1", "&"}
 EXITING = {"--help", "-h", "--version"}
 #: Options of other programs that a doc names in a paragraph after a command
 #: of ours (so attributed to it): the program they belong to.
-FOREIGN = {"--no-default-features": "maturin (docs/benchmarks.md, the allocator)"}
+FOREIGN = {
+    "--no-default-features": "maturin (docs/benchmarks.md, the allocator)",
+    "--load-format": "vllm serve (docs/benchmarks.md, the real server's bench)",
+}
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,8 @@ def parser_of(cmd: Command) -> tuple[argparse.ArgumentParser, list[str]]:
     one), and the words that parser reads."""
     if cmd.program == "benches.compare":
         return bench_parser(), list(cmd.args)
+    if cmd.program == "benches.serve":
+        return serve_bench_parser(), list(cmd.args)
     top = cli_parser()
     sub = next(
         a for a in top._actions if isinstance(a, argparse._SubParsersAction)

@@ -118,6 +118,12 @@ def test_kvmerges_lines_are_in_vllms_log_format(ours):
     assert len(merging) == len(ours.replayed)
 
 
+def test_kvmerges_own_time_per_step_is_in_the_servers_metrics(ours, upstream):
+    assert ours.step["steps"] > 0
+    assert 0 < ours.step["step_seconds"] < ours.run_s
+    assert upstream.step == {}
+
+
 def test_vllms_example_connector_keeps_working_beside_the_children(ours):
     # Its saves and loads: after each prefix-cache reset, the prompts it saved
     # come back from its storage.

@@ -52,6 +52,8 @@ UPSTREAM: Final = "MultiConnector"
 _SERIES = re.compile(r"^vllm:kvmerge_(\w+)_total\{([^}]*)\}\s+(\S+)", re.M)
 _CONNECTOR_LABEL = re.compile(r'connector="([^"]*)"')
 _ENGINE_LABEL = re.compile(r'engine="([^"]*)"')
+#: kvmerge's own steps and seconds in the engine core.
+_STEP = re.compile(r"^vllm:kvmerge_(steps|step_seconds)_total\{[^}]*\}\s+(\S+)", re.M)
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+(\S+)", re.M)
 #: vLLM's log line format, as its handler writes it in every process.
 VLLM_LOG_LINE = re.compile(
@@ -80,10 +82,20 @@ class ServedOptions:
     damage: int = 0
     max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS
     #: GPU KV cache blocks (of ``BLOCK_SIZE`` tokens): fewer than
-    #: ``concurrency`` requests need, so that requests are preempted.
-    num_blocks: int = 24
+    #: ``concurrency`` requests need, so that requests are preempted, and
+    #: enough for one request of the model's length (16 blocks, and vLLM's
+    #: null block).
+    num_blocks: int = 20
     #: Blocks each child's tier holds: few, so that it evicts.
     capacity: int = 16
+    #: The children's scripted disagreements between ranks (a late last
+    #: rank, a lost eviction report, a repeated store): off by default. With
+    #: tiers this small, the rules themselves can then publish a store after
+    #: its parent's removal (a late rank's second removal under "quorum"),
+    #: which the parents check would count, depending on the engine's timing;
+    #: the scheduler-loop run, deterministic, is where they are checked.
+    #: ``damage`` is a disagreement that stays on.
+    faults: bool = False
     #: vLLM's ExampleConnector beside the simulated children.
     example: bool = True
     topic: str = "kv-events"
@@ -120,6 +132,9 @@ class ServedResult:
     example_hits: int = 0
     #: Requests the scheduler preempted (vLLM's ``num_preemptions``).
     preemptions: int = 0
+    #: kvmerge's own steps and seconds in the engine cores
+    #: (``vllm:kvmerge_steps_total``, ``vllm:kvmerge_step_seconds_total``).
+    step: dict[str, float] = field(default_factory=dict)
 
     @property
     def result(self) -> Result:
@@ -204,6 +219,7 @@ def connector_config(
             i,
             capacity=opts.capacity,
             seed=opts.seed,
+            faults=opts.faults,
             damage=opts.damage if family == DAMAGED else 0,
             record=str(record),
         )
@@ -252,6 +268,13 @@ def _metrics(text: str) -> dict[str, dict[str, dict[str, float]]]:
         e = _ENGINE_LABEL.search(labels)
         d = out.setdefault(e.group(1) if e else "0", {}).setdefault(m.group(1), {})
         d[name] = d.get(name, 0.0) + float(value)
+    return out
+
+
+def _step(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, value in _STEP.findall(text):
+        out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -386,6 +409,7 @@ class ServedRun:
             command=server.command(),
             example_hits=log.count("External Cache Hit"),
             preemptions=int(sum(float(v) for v in preempted)),
+            step=_step(metrics_text),
         )
 
     def _replica(
