@@ -155,9 +155,14 @@ class Server:
 
     def env(self) -> dict[str, str]:
         scratch = self.scratch
-        env = dict(os.environ)
-        for name in ("PYTHONPATH", "VIRTUAL_ENV"):
-            env.pop(name, None)  # the server's venv is its own
+        # The server's venv is its own, and so are vLLM's settings: none of
+        # the caller's (a test process may have quietened vLLM's logging, or
+        # set a worker's VLLM_DIST_IDENT) leaks into the server.
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("VLLM_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")
+        }
         env.update(
             TMPDIR=str(scratch),
             VLLM_CACHE_ROOT=str(scratch / "vllm"),
