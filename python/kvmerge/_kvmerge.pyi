@@ -17,14 +17,15 @@ __all__ = [
     "KVMergeError",
     "Merger",
     "MergerStats",
+    "OutputMerger",
     "RankError",
+    "Refusal",
+    "StepResult",
+    "WorkerOutput",
+    "WorkerSettings",
     "_borrow_buffers",
-    "_expired",
     "_layout",
-    "_merge_children",
-    "_merge_common_step",
-    "_pack",
-    "_unpack",
+    "_refusal_kinds",
     "encode",
 ]
 
@@ -202,94 +203,202 @@ def _layout() -> str | None:
     """How `encode` reads lists and ints: in place as `"sized"` (CPython
     3.11) or `"tagged"` (3.12 to 3.14), None through the stable ABI."""
 
-def _merge_children(
-    outputs: Sequence[Any],
-    plans: Sequence[
-        tuple[int, str, tuple[int, ...] | None, Merger, _EventClass | None] | None
-    ],
-) -> list[
-    tuple[list[msgspec.Raw], list[_Event] | None] | KVMergeError | Literal[False] | None
-]:
-    """`KVMergeMultiConnector`'s step for its children in the common case.
+@final
+class WorkerSettings:
+    """What a worker believes (rank aside, the scheduler's own): sent with a
+    worker process's first output, compared by the scheduler."""
 
-    Per plan (a child's position in each output, its family, replication
-    factors, merger, and the kind of events its hook reads), when every
-    output (a checked `WorkerOutput`) holds a valid batch of that family for
-    the child (reporting no factors or these) or nothing: adds them all and
-    finishes the step, giving its events as `finish_step_raw` does and those
-    of the kind decoded (None when no kind is given), or, when those do not
-    decode, the `CorruptBatchError` that lost the step's events (returned,
-    not raised). None for a child with anything else in an output, and
-    for one whose merger refuses the batches (left unchanged): the caller
-    merges those itself. For a plan that is None (plans are in child
-    order), False when no output holds anything for its child, else None."""
+    def __new__(
+        cls,
+        kvmerge_version: str,
+        world_size: int,
+        rank: int,
+        kv_events: bool,
+        children: Sequence[tuple[str, str | None, Sequence[int] | None]],
+    ) -> WorkerSettings: ...
+    @property
+    def kvmerge_version(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def kv_events(self) -> bool: ...
+    @property
+    def children(
+        self,
+    ) -> tuple[tuple[str, str | None, tuple[int, ...] | None], ...]:
+        """Per child, in config order: its label, configured rule (None:
+        inferred) and configured replication factors."""
 
-def _merge_common_step(
-    outputs: Sequence[Any],
-    plans: Sequence[
-        tuple[int, str, tuple[int, ...] | None, Merger, _EventClass | None] | None
-    ],
-    output_type: type,
-    last_seq: dict[int, int],
-    misconfigured: set[int],
-) -> (
-    tuple[
-        list[Any],
-        list[int],
-        list[
-            tuple[list[msgspec.Raw], list[_Event] | None]
-            | KVMergeError
-            | Literal[False]
-            | None
-        ],
-    ]
-    | None
-):
-    """`KVMergeMultiConnector`'s whole step in the common case, from the
-    outputs as they arrived (unchecked).
+    def differences(self, worker: WorkerSettings, rank: int) -> list[str]:
+        """Each setting in which `worker`'s (from an output of `rank`)
+        differs from these: `"setting: worker ..., scheduler ..."`."""
 
-    When every output is exactly of `output_type` (`WorkerOutput`), with no
-    settings, an int rank and `seq`, one entry per plan in each of its
-    tuples (or still packed, `_packed`, in a readable buffer with one entry
-    per plan), a rank seen once in the step, not in `misconfigured`, and the
-    `seq` after the one `last_seq` holds for that rank: records each rank's
-    `seq` in `last_seq` and returns the outputs in rank order, their ranks,
-    and `_merge_children`'s result for them. Otherwise None, and nothing is
-    changed: the caller checks the outputs one by one."""
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
 
-def _pack(
-    rank: object,
-    seq: object,
-    settings: object,
-    families: object,
-    entries: object,
-    factors: object,
-) -> bytes | None:
-    """A worker output's fields in one buffer, as a message carries it: None
-    unless it has no settings, an int rank and `seq`, tuples of one entry per
-    child, and for each child either nothing (no family, entry nor factors)
-    or a family name, a valid `EventBatch` and no factors or a tuple of ints;
-    and unless the buffer would exceed 64 KiB (larger outputs send each
-    batch as its own buffer, without a copy)."""
+#: What a worker sends for one child: nothing (None), why it could not
+#: encode the child's events (str), its encoded batch with the child's family
+#: and the replication factors its container reported, or a native child's
+#: own container.
+_Entry = None | str | tuple[str, EventBatch, tuple[int, ...] | None] | Any
 
-def _unpack(
-    packed: object,
-) -> tuple[
-    int | None,
-    int | None,
-    tuple[str | None, ...],
-    tuple[EventBatch | None, ...],
-    tuple[tuple[int, ...] | None, ...],
-    str | None,
-]:
-    """`_pack`'s fields back: rank, seq, families, entries, factors, and None;
-    never raises for what it is given. For a damaged buffer: its rank when
-    the header got that far (else None), None, three empty tuples, and why.
-    A batch that does not validate comes back as an `EventBatch` whose
-    `error` says why."""
+@final
+class WorkerOutput:
+    """What one worker sends the scheduler for one step: one buffer, and a
+    native child's container beside it. Its fields are read back only off
+    the step path (tests, `decode`); the step reads the buffer, in Rust."""
 
-def _expired(mergers: Sequence[Merger | None]) -> int:
-    """The mergers' `stats().expired`, summed (None: no merger)."""
+    def __new__(
+        cls,
+        rank: int,
+        seq: int,
+        entries: Sequence[_Entry],
+        settings: WorkerSettings | None = None,
+    ) -> WorkerOutput:
+        """`ValueError` when a value does not fit the buffer (a family name
+        or over 255 factors, a batch over 4 GiB, over 65,535 children) or a
+        batch does not read; `TypeError` for an entry of another shape."""
+
+    @staticmethod
+    def _from_wire(
+        buffer: object = None, natives: object = None, /, *rest: object
+    ) -> WorkerOutput:
+        """The pickle reconstructor; never raises: a damaged buffer makes an
+        output whose `damage` says why."""
+
+    def _wire(self, protocol: int, /) -> tuple[Any, Any]:
+        """What `_from_wire` takes: the buffer (a `PickleBuffer` from
+        protocol 5) and the natives."""
+
+    def __reduce_ex__(self, protocol: int, /) -> tuple[Any, ...]: ...
+    @property
+    def rank(self) -> int | None:
+        """None for a damaged buffer whose header ends before it."""
+
+    @property
+    def seq(self) -> int | None: ...
+    @property
+    def settings(self) -> WorkerSettings | None:
+        """The worker's settings: its first output's only."""
+
+    @property
+    def damage(self) -> str | None:
+        """Why the buffer is not an output (unpickled from a damaged message)."""
+
+    @property
+    def entries(self) -> tuple[EventBatch | str | Any, ...]:
+        """Per child: its batch (one that does not read comes back as an
+        `EventBatch` whose `error` says why), the worker's reason, a native
+        child's container, or None. Empty for a damaged output."""
+
+    @property
+    def families(self) -> tuple[str | None, ...]:
+        """Per child: the family of its batch, else None."""
+
+    @property
+    def factors(self) -> tuple[tuple[int, ...] | None, ...]:
+        """Per child: the replication factors its batch's container
+        reported, else None."""
+
+@final
+class Refusal:
+    """What the step refused: `kind` (one of `_refusal_kinds()`), the `rank`
+    that sent it (None when unknown), the `child` (None: the whole output,
+    every child), and the `detail` the log shows."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def rank(self) -> int | None: ...
+    @property
+    def child(self) -> int | None: ...
+    @property
+    def detail(self) -> str: ...
+
+@final
+class StepResult:
+    """One step of an `OutputMerger`, per child in config order."""
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose outputs were taken, ascending."""
+
+    @property
+    def events(self) -> list[list[Any] | None]:
+        """Per merged child: its merged events (`msgspec.Raw` views, or
+        objects), None when it has no merger yet or lost them."""
+
+    @property
+    def removed(self) -> list[list[BlockRemoved] | None]:
+        """Per child with a removal hook whose events are views: the
+        step's removals, decoded; else None."""
+
+    @property
+    def natives(self) -> list[list[Any] | None]:
+        """Per native child: the workers' containers, in rank order."""
+
+    @property
+    def lost(self) -> list[tuple[int, str] | None]:
+        """Per child: the merger's step and why its merged events could not
+        be given out (they do not decode), else None."""
+
+    @property
+    def refusals(self) -> list[Refusal]: ...
+    @property
+    def gaps(self) -> list[tuple[int, int, int]]:
+        """`(rank, first, last)`: the `seq`s of a rank's outputs that never
+        arrived."""
+
+    @property
+    def expired(self) -> int:
+        """Pending reports that expired in this step, all children."""
+
+    @property
+    def started(self) -> list[int]:
+        """The children whose merger this step made (from a first batch)."""
+
+class OutputMerger:
+    """`KVMergeMultiConnector`'s scheduler step: every check of the workers'
+    outputs and of each child's part of them, and every merge, in one call.
+
+    `families` maps each encoded family to the rule it implies; each child is
+    `(label, rule, factors, objects, hook)`: its configured rule (None:
+    inferred from its first container) and replication factors, whether its
+    events leave as objects, and whether its scheduler has a removal hook.
+    `native_type` is vLLM's `KVConnectorKVEvents`; `keys` the names of the
+    rule and factors settings, for the messages. `ConfigError` (naming the
+    child and the setting) when a configured merger cannot be made."""
+
+    def __new__(
+        cls,
+        world_size: int,
+        max_pending_steps: int,
+        settings: WorkerSettings,
+        families: dict[str, str],
+        children: Sequence[tuple[str, str | None, Sequence[int] | None, bool, bool]],
+        native_type: type,
+        keys: tuple[str, str],
+    ) -> OutputMerger: ...
+    def step(self, outputs: Sequence[object]) -> StepResult:
+        """One step's outputs, as they arrived (anything in an output's
+        place is refused). Never raises for what they hold, except
+        `ConfigError` on the first step when a worker's settings differ
+        from the scheduler's (start-up: nothing is changed)."""
+
+    def stats(self) -> list[MergerStats | None]:
+        """Per child: its merger's counters, None before it has one."""
+
+    def describe(self, index: int) -> str | None:
+        """How child `index` merges (rule, factors and where they came
+        from, world size, max_pending_steps); None without a merger."""
+
+    def reset(self) -> None:
+        """Every merger drops its pending state (`Merger.reset`)."""
+
+def _refusal_kinds() -> list[tuple[str, str]]:
+    """Every kind of `Refusal`, with what it means, in declaration order."""
 
 def encode(
     events: Sequence[_Event],

@@ -6,7 +6,7 @@ import threading
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from support.strategies import events, key
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -103,86 +103,6 @@ def test_raw_outlives_its_batch_and_its_buffer():
             assert view.readonly
             with pytest.raises(TypeError):
                 view[0] = 0
-
-
-def _entries_model(entries, batches):
-    """The rules of ``EventBatch._from_pickle_entries`` (a worker output's
-    entries as pickled): each position ``batches`` names holds a batch's
-    buffer, rebuilt by ``_from_pickle``, or the index of an earlier position
-    whose batch it shares (left as it is if that holds no batch); the entries
-    come back as they came unless both are tuples and every name is an
-    in-range int."""
-    if type(entries) is not tuple or type(batches) is not tuple:
-        return entries
-    out = list(entries)
-    for i in batches:
-        if type(i) is not int or not 0 <= i < len(out):
-            return entries
-        item = out[i]
-        if type(item) is int:
-            if 0 <= item < i and type(out[item]) is EventBatch:
-                out[i] = out[item]
-        else:
-            out[i] = EventBatch._from_pickle(item)
-    return tuple(out)
-
-
-def _shape(values):
-    """What two results must agree on: each entry (a batch by its error and
-    bytes), and which positions share one batch object."""
-    if type(values) is not tuple:
-        return ("as it came", values)
-
-    def one(v):
-        if type(v) is EventBatch:
-            return ("batch", v.error, None if v.error else bytes(v))
-        return ("value", type(v).__name__, v)
-
-    shared = [
-        [j for j, w in enumerate(values) if w is v]
-        for v in values
-        if type(v) is EventBatch
-    ]
-    return ("tuple", [one(v) for v in values], shared)
-
-
-_good_batch = bytes(kvmerge.encode([BlockRemoved(block_hashes=[3], medium=None)]))
-_entry_values = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-3, max_value=6),
-    st.integers(min_value=2**64, max_value=2**70),
-    st.just(_good_batch),
-    st.just(_good_batch[:-1]),
-    st.just("text"),
-)
-# Mostly positions that exist, so that a bad name comes after good ones.
-_names = st.one_of(
-    st.integers(min_value=0, max_value=4),
-    st.integers(min_value=0, max_value=4),
-    st.integers(min_value=-2, max_value=6),
-    st.booleans(),
-    st.integers(min_value=2**64, max_value=2**70),
-    st.none(),
-)
-
-
-@settings(max_examples=400)
-@given(
-    entries=st.one_of(st.tuples(), st.lists(_entry_values, max_size=5).map(tuple)),
-    batches=st.one_of(st.lists(_names, max_size=5).map(tuple), st.lists(_names)),
-)
-def test_from_pickle_entries_follows_its_rules(entries, batches):
-    got = EventBatch._from_pickle_entries(entries, batches)
-    assert _shape(got) == _shape(_entries_model(entries, batches))
-
-
-def test_from_pickle_entries_shares_a_batch_named_twice():
-    entries = (_good_batch, 0, None)
-    out = EventBatch._from_pickle_entries(entries, (0, 1))
-    assert out[0] is out[1] and out[0].error is None and out[2] is None
-    # Not a tuple of names: as it came, for the output's checks to refuse.
-    assert EventBatch._from_pickle_entries(entries, [0, 1]) is entries
 
 
 @given(event_lists, event_lists)

@@ -36,10 +36,16 @@ import pytest
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from support import bad_inputs
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVConnectorKVEvents,
+)
 
 import kvmerge
 from kvmerge import ConfigError, CorruptBatchError, EventBatch, InvalidEventError
+from kvmerge._kvmerge import OutputMerger, WorkerOutput, WorkerSettings
 
 # -- strategies ----------------------------------------------------------------
 
@@ -731,9 +737,35 @@ def _batch_calls(b):
         "memoryview": lambda *a: memoryview(b),
         "from_buffer": lambda *a: EventBatch.from_buffer(*a),
         "_from_pickle": lambda *a: EventBatch._from_pickle(*a),
-        "_from_pickle_entries": lambda *a: EventBatch._from_pickle_entries(*a),
         "concat": lambda *a: EventBatch.concat(*a),
         "empty": lambda *a: EventBatch.empty(*a),
+    }
+
+
+def _output_merger() -> OutputMerger:
+    settings = WorkerSettings(
+        "0", 2, -1, True, [("a", None, None), ("b", "quorum", [1])]
+    )
+    return OutputMerger(
+        2,
+        2,
+        settings,
+        {"lmcache": "all", "other": "native"},
+        [("a", None, None, False, True), ("b", "quorum", [1], True, False)],
+        KVConnectorKVEvents,
+        ("merge", "factors"),
+    )
+
+
+def _output_calls():
+    om = _output_merger()
+    return {
+        "step": lambda *a: (om.step(list(a)), om.step(a)),
+        "step_arg": lambda *a: om.step(*a),
+        "describe": lambda *a: om.describe(*a),
+        "WorkerOutput": lambda *a: WorkerOutput(*a),
+        "_from_wire": lambda *a: om.step([WorkerOutput._from_wire(*a)]),
+        "WorkerSettings": lambda *a: WorkerSettings(*a),
     }
 
 
@@ -750,7 +782,7 @@ def _module_calls():
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.sampled_from(["merger", "batch", "stats", "module"]),
+    st.sampled_from(["merger", "batch", "stats", "outputs", "module"]),
     st.data(),
     st.lists(hostile, max_size=3),
     st.dictionaries(
@@ -762,8 +794,9 @@ def _module_calls():
     ),
 )
 def test_no_call_on_the_public_surface_panics(target, data, args, kwargs):
-    """Every method of Merger, EventBatch, MergerStats and the module's
-    functions, with hostile arguments: only ``Exception`` subclasses may
+    """Every method of Merger, EventBatch, MergerStats, the scheduler's
+    OutputMerger and WorkerOutput, and the module's functions, with hostile
+    arguments (the outputs of a step among them): only ``Exception`` subclasses may
     escape, never PyO3's ``PanicException`` (a ``BaseException``)."""
     m = kvmerge.Merger(2, max_pending_steps=2)
     m.add(0, _good_batch())
@@ -780,6 +813,8 @@ def test_no_call_on_the_public_surface_panics(target, data, args, kwargs):
             "repr": lambda *a: repr(st_),
             "attrs": lambda *a: st_.reports + st_.pending,
         }
+    elif target == "outputs":
+        calls = _output_calls()
     else:
         calls = _module_calls()
     name = data.draw(st.sampled_from(sorted(calls)))

@@ -40,7 +40,7 @@ from kvmerge.sim.model import connector_config, create_connector, worker_config
 from kvmerge.sim.transport import shm_roundtrip
 from kvmerge.testing.reference import ReferenceMerger, assert_same_events
 from kvmerge.vllm import KVMergeKVEvents, KVMergeMultiConnector, register
-from kvmerge.vllm.container import WorkerOutputs
+from kvmerge.vllm.container import WorkerOutputs, decode
 from kvmerge.vllm.topology import aggregated_world_size, worker_rank
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("registered")]
@@ -448,19 +448,18 @@ def test_container_pickles_out_of_band_and_aggregates_without_decoding(
     ]
     assert sum(len(b) - b.uncarried for b in sent_batches) == len(events)
     assert (
-        copy.outputs[0].decode(
-            [o.kv_connector_output.kv_cache_events.outputs[0] for o in outputs]
+        decode(
+            copy.outputs[0],
+            [o.kv_connector_output.kv_cache_events.outputs[0] for o in outputs],
         )
         == events
     )
     assert copy.outputs[0].entries[1] is None  # the silent child
 
     # Through the shm pickling and the aggregator, nothing gets decoded: the
-    # batches the scheduler merges are the very objects that were unpickled.
+    # outputs the scheduler merges are the very objects that were unpickled.
     received = [shm_roundtrip(o)[0] for o in outputs]
-    batches = [
-        o.kv_connector_output.kv_cache_events.outputs[0].entries[0] for o in received
-    ]
+    sent_outputs = [o.kv_connector_output.kv_cache_events.outputs[0] for o in received]
 
     def no_decoding(self):
         raise AssertionError("worker outputs were decoded")
@@ -468,9 +467,8 @@ def test_container_pickles_out_of_band_and_aggregates_without_decoding(
     monkeypatch.setattr(WorkerOutputs, "_events", no_decoding)
     out = c.aggregator.aggregate(received, output_rank=0)
     combined = out.kv_connector_output.kv_cache_events
-    merged = [wo.entries[0] for wo in combined.outputs]
-    assert len(merged) == len(batches)
-    assert all(a is b for a, b in zip(merged, batches, strict=True))
+    assert len(combined.outputs) == len(sent_outputs)
+    assert all(a is b for a, b in zip(combined.outputs, sent_outputs, strict=True))
     assert combined.get_number_of_workers() == 4
     assert c.bus.publish(c.schedule(out)) == events
     monkeypatch.undo()
@@ -730,8 +728,10 @@ def test_after_start_up_a_restarted_worker_with_other_settings_is_dropped_and_lo
 
 # --- a damaged batch from one rank ------------------------------------------------
 def damaged_roundtrip(obj, flip_at: int):
-    """``shm_roundtrip`` with one byte of the first out-of-band buffer flipped
-    after the worker sent it (as a bad link or a stray write would)."""
+    """``shm_roundtrip`` with one byte of child 0's batch flipped (at
+    ``flip_at`` in the batch) after the worker sent it, in the output's
+    out-of-band buffer (as a bad link or a stray write would)."""
+    batch = bytes(obj.kv_connector_output.kv_cache_events.outputs[0].entries[0])
     oob: list[bytearray] = []
 
     def callback(buf: pickle.PickleBuffer) -> bool:
@@ -739,8 +739,10 @@ def damaged_roundtrip(obj, flip_at: int):
         return False
 
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
-    assert oob, "no batch went out of band"
-    oob[0][flip_at % len(oob[0])] ^= 0x40
+    assert len(oob) == 1, "the output's buffer goes out of band"
+    start = oob[0].find(batch)
+    assert start > 0
+    oob[0][start + flip_at % len(batch)] ^= 0x40
     return pickle.loads(data, buffers=oob)
 
 
@@ -761,7 +763,7 @@ def test_a_damaged_batch_drops_that_ranks_batch_only(bus, flip_at):
         outputs.append(
             damaged_roundtrip(out, flip_at) if r == 1 else shm_roundtrip(out)[0]
         )
-        # Rank 1's batch of child 0 is the damaged one (its first buffer).
+        # Rank 1's batch of child 0 is the damaged one.
         models[0].add(r, [] if r == 1 else events[r])
         models[1].add(r, events[r])
     published = c.bus.publish(c.schedule(c.aggregator.aggregate(outputs, 0)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .vllm_harness import child, stored
+from .vllm_harness import child, damage_batch, stored
 
 TP = 2
 STEPS = 4
@@ -56,26 +56,14 @@ def script(rank: int, step: int) -> list[list[Any] | None]:
     return [[stored(13)], [stored(14, group=0)], [stored(15)]]
 
 
-class Damaged:
-    """Pickles as an ``EventBatch`` whose bytes were damaged in transit (one
-    byte flipped after it was encoded), so that the reader's real
-    ``MessageQueue.dequeue`` unpickles damaged bytes."""
-
-    def __init__(self, batch: Any) -> None:
-        raw = bytearray(bytes(batch))
-        raw[len(raw) // 2] ^= 0x20
-        self.raw = bytes(raw)
-        self.rebuild = type(batch).__reduce_ex__(batch, 5)[0]
-
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
-        import pickle
-
-        return (self.rebuild, (pickle.PickleBuffer(self.raw),))
-
-
 def damage(output: Any) -> Any:
-    worker = output.kv_connector_output.kv_cache_events.outputs[0]
-    worker.entries = (Damaged(worker.entries[0]), *worker.entries[1:])
+    """Rank 1's LMCache batch damaged in transit: the reader's real
+    ``MessageQueue.dequeue`` unpickles damaged bytes."""
+    from kvmerge.vllm import KVMergeKVEvents
+
+    kv_out = output.kv_connector_output
+    sent = kv_out.kv_cache_events.outputs[0]
+    kv_out.kv_cache_events = KVMergeKVEvents.for_worker(damage_batch(sent, 0))
     return output
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -40,25 +40,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 )
 
 import kvmerge
-from kvmerge import ConfigError, EventBatch, GroupError, KVMergeError, RankError, Rule
-from kvmerge._kvmerge import _expired, _merge_children, _merge_common_step
+from kvmerge import EventBatch, KVMergeError, RankError
+from kvmerge._kvmerge import OutputMerger, StepResult
 
 from .alias import MODULE_PATH, UPSTREAM_NAME
 from .config import (
     FACTORS_KEY,
     MERGE_KEY,
     ChildSpec,
-    Mode,
     MultiSpec,
-    Output,
     is_merged,
     parse_multi,
 )
 from .container import KVMergeKVEvents, WorkerOutput
 from .families import (
     BY_NAME,
-    FAMILY_NATIVE,
-    FAMILY_REFUSED,
+    ENCODED,
     Family,
     container_family,
     default_rule,
@@ -67,7 +64,7 @@ from .incidents import Incidents
 from .log import get_logger
 from .native import combine_native
 from .refusals import Refusals
-from .settings import differences, settings_of
+from .settings import settings_of
 from .stats import (
     StatsTracker,
     StepTimer,
@@ -93,21 +90,6 @@ logger = get_logger(__name__)
 
 _EMPTY: EventBatch | None = None
 
-#: The kind of event a child's scheduler hook (``invalidate_kv_events``)
-#: reads: it drops its own pending events of the blocks workers removed.
-_HOOK_KIND: Final = "BlockRemoved"
-
-#: ``_merge_children``'s view of one child (``_Child.plan``): its position in
-#: the outputs, its family, replication factors and merger, and the kind of
-#: events to return decoded for its hook, if any.
-_Plan: TypeAlias = tuple[
-    int,
-    str,
-    "tuple[int, ...] | None",
-    "kvmerge.Merger",
-    "Literal['BlockRemoved'] | None",
-]
-
 
 def _empty_batch() -> EventBatch:
     global _EMPTY
@@ -117,35 +99,18 @@ def _empty_batch() -> EventBatch:
 
 
 class _Child:
-    """Scheduler-side state of one child."""
+    """Scheduler-side state of one child that is Python's: its connector,
+    its merged events until ``take_events``, its removal hook and its
+    refusal count. Its mode, family, rule and merger are the
+    ``OutputMerger``'s."""
 
     #: This child's batches dropped as bad, and its steps whose merged events
     #: were lost (read by the stats).
     refused: int = 0
 
-    def __init__(
-        self,
-        spec: ChildSpec,
-        connector: Any,
-        world_size: int,
-        max_pending_steps: int,
-        output: Output,
-    ) -> None:
+    def __init__(self, spec: ChildSpec, connector: Any) -> None:
         self.spec = spec
         self.connector = connector
-        self.world_size = world_size
-        self.max_pending_steps = max_pending_steps
-        self.objects = output == "objects"
-        #: Merged or native once known (configured, or from the first
-        #: container a worker sent).
-        self.mode: Mode | None = None
-        #: The first container family seen (a child whose rule is inferred must
-        #: stay consistent).
-        self.family: Family | None = None
-        self.rule: Rule | None = None
-        self.factors: tuple[int, ...] | None = None
-        self.factors_source = ""
-        self.merger: kvmerge.Merger | None = None
         #: Merged events waiting for take_events.
         self.out: list[Any] = []
         # UMBP's scheduler drops its own pending events for blocks that workers
@@ -156,217 +121,20 @@ class _Child:
             "invalidate_kv_events",
             None,
         )
-        rule = spec.rule
-        if rule == "native":
-            self.mode = "native"
-        elif is_merged(rule):
-            self.mode = "merge"
-            if rule != "quorum" or spec.factors is not None:
-                self._make_merger(rule, spec.factors, FACTORS_KEY)
 
     @property
     def label(self) -> str:
         return f"KVMergeMultiConnector {self.spec.label}"
 
-    def _rule_setting(self) -> str:
-        if self.spec.rule is not None:
-            return f"{MERGE_KEY}={self.spec.rule!r}"
-        return f"{MERGE_KEY} (inferred {self.rule!r} from a {self.family} container)"
-
-    def _make_merger(
-        self, rule: Rule, factors: tuple[int, ...] | None, source: str
-    ) -> None:
-        try:
-            self.merger = kvmerge.Merger(
-                self.world_size,
-                rule,
-                list(factors) if factors is not None else None,
-                self.max_pending_steps,
-            )
-        except ConfigError as e:
-            raise ConfigError(
-                f"{self.label}: rule {rule!r} with replication factors {factors} "
-                f"(from {source or 'nowhere'}): {e}"
-            ) from e
-        self.rule, self.factors, self.factors_source = rule, factors, source
-        logger.info(
-            "%s: merging with rule %r, replication factors %s (from %s), "
-            "world size %d, max_pending_steps %d",
-            self.label,
-            rule,
-            factors,
-            source or "none",
-            self.world_size,
-            self.max_pending_steps,
-        )
-
-    def _resolve(self, family: Family, reported: tuple[int, ...] | None) -> str | None:
-        """Fix this child's mode, family and merger from a rank's container of
-        ``family`` (with the replication factors it ``reported``); or say why
-        this rank's container cannot join this child."""
-        if self.family is None:
-            self.family = family
-        elif family != self.family:
-            return (
-                f"a {family} container, but this child returned {self.family} "
-                "containers before"
-            )
-        if self.mode is None:
-            self.mode = "native" if self.family == FAMILY_NATIVE else "merge"
-        elif (family == FAMILY_NATIVE) != (self.mode == "native"):
-            # The worker decided otherwise than this side's configuration.
-            return (
-                f"a {family} "
-                f"{'container' if family == FAMILY_NATIVE else 'batch'}, but "
-                f"the scheduler's {MERGE_KEY} setting is {self.spec.rule!r}: "
-                "workers and scheduler must share the same kv_transfer_config"
-            )
-        if self.mode != "merge":
-            return None
-        if self.merger is None:
-            rule = self.spec.rule_for(family)
-            if not is_merged(rule):
-                # An encoded container of a family this side passes through.
-                return (
-                    f"a {family} batch, but the scheduler infers {MERGE_KEY}="
-                    f"{rule!r} for a {family} container: workers and scheduler must "
-                    "share the same kv_transfer_config"
-                )
-            factors, source = self.spec.factors, FACTORS_KEY
-            if rule == "quorum" and factors is None:
-                factors, source = reported, f"the {family} container"
-                if factors is None:
-                    return (
-                        f"{MERGE_KEY}='quorum' needs replication factors, one per "
-                        f"KV cache group: set {FACTORS_KEY} in this child's "
-                        "kv_connector_extra_config (its containers carry none)"
-                    )
-            try:
-                self._make_merger(rule, factors, source)
-            except ConfigError as e:
-                return str(e)
-        elif (
-            self.rule == "quorum"
-            and self.factors_source != FACTORS_KEY
-            and reported is not None
-            and tuple(reported) != self.factors
-        ):
-            return (
-                f"replication factors {tuple(reported)}, others {self.factors}; "
-                f"set {FACTORS_KEY} to choose"
-            )
-        return None
-
-    def step(self, outputs: Sequence[WorkerOutput], refusals: Refusals) -> Any:
-        """One aggregated step of this child, from the (checked, rank-ordered)
-        worker outputs; returns this child's native container, if any.
-
-        A rank's batch that cannot be merged (of another family than this
-        child's, a bad batch, a group without a factor, a batch that does not
-        carry bytes it must carry) is dropped and counted (``refused``); the
-        other ranks' batches merge as if it had not been sent.
-
-        The common case, once this child's mode, family and merger are fixed,
-        does not come here: ``_merge_children`` merges it, and hands over
-        any step it cannot take as it is.
-        """
-        index = self.spec.index
-        empty = _empty_batch()
-        batches: list[tuple[int, Any]] = []
-        present: list[Any] = []
-        for output in outputs:
-            family = output.families[index]
-            entry = output.entries[index]
-            if family is None and entry is None:
-                batches.append((output.rank, empty))
-                continue
-            why = output.child_problem(index)
-            if why is None and family is not None:
-                why = self._resolve(family=family, reported=output.factors[index])
-            if why is not None:
-                refusals.refuse(self, output.rank, why)
-                batches.append((output.rank, empty))
-            elif family is None:
-                batches.append((output.rank, empty))
-            else:
-                present.append(entry)
-                batches.append((output.rank, entry))
-        if self.mode == "native":
-            return combine_native(self.spec.label, present)
-        merger = self.merger
-        if merger is None:  # nothing sent by this child yet
-            return None
-        try:
-            # All ranks of the step or none: a rejected batch leaves the
-            # merger as it was, and the ranks are then added one by one.
-            merger.add_all(batches)
-        except KVMergeError:
-            for rank, batch in batches:
-                try:
-                    merger.add(rank, batch)
-                except KVMergeError as e:
-                    refusals.refuse(self, rank, self._explain(e))
-        try:
-            if self.objects:
-                events = merger.finish_step()
-                if self.invalidate is not None:
-                    removed = [e for e in events if isinstance(e, BlockRemoved)]
-                    if removed:
-                        self.invalidate(removed)
-                self.out.extend(events)
-            elif self.invalidate is not None:
-                # The hook only reads removals: decode those alone.
-                self.publish(*merger.finish_step_raw_and_decode(_HOOK_KIND))
-            else:
-                self.out.extend(merger.finish_step_raw())
-        except KVMergeError as e:
-            self.lose(merger, e, refusals)
-        return None
-
-    def lose(self, merger: kvmerge.Merger, e: KVMergeError, refusals: Refusals) -> None:
-        """A step ``merger`` merged, but whose events could not be given out
-        (a removal for the hook that does not decode): counted and logged."""
-        refusals.lost(self, merger.step, self._explain(e))
-
-    @property
-    def settled(self) -> bool:
-        """Whether this child's mode, family and merger are fixed for good,
-        and so its ``plan``."""
-        return self.mode == "native" or (
-            self.merger is not None and self.family is not None
-        )
-
-    def plan(self) -> _Plan | None:
-        """What ``_merge_children`` needs to merge this child's step without
-        Python, once its mode, family and merger are fixed and its events
-        leave as views; None until then (``step`` merges it)."""
-        merger, family = self.merger, self.family
-        if merger is None or family is None or self.mode != "merge" or self.objects:
-            return None
-        kind: Literal["BlockRemoved"] | None = (
-            _HOOK_KIND if self.invalidate is not None else None
-        )
-        return (self.spec.index, family, self.factors, merger, kind)
-
-    def publish(self, raws: list[Any], removed: list[Any] | None) -> None:
-        """A finished step's events (as views), and those of ``_HOOK_KIND``
-        decoded when this child has a hook that reads them."""
-        if removed and self.invalidate is not None:
-            self.invalidate(removed)
-        self.out.extend(raws)
-
-    def _explain(self, e: KVMergeError) -> str:
-        if isinstance(e, GroupError):
-            return (
-                f"{self._rule_setting()} with replication factors {self.factors} "
-                f"(from {self.factors_source}) does not cover its KV cache group: {e}"
-            )
-        return f"{type(e).__name__}: {e}"
-
-    def reset(self) -> None:
-        if self.merger is not None:
-            self.merger.reset()
-        self.out.clear()
+    def publish(self, events: list[Any], removed: list[Any] | None) -> None:
+        """A finished step's events, and its removals decoded for the hook
+        (None when the events are objects: picked from them)."""
+        if self.invalidate is not None:
+            if removed is None:
+                removed = [e for e in events if isinstance(e, BlockRemoved)]
+            if removed:
+                self.invalidate(removed)
+        self.out.extend(events)
 
 
 class KVMergeMultiConnector(MultiConnector):
@@ -430,36 +198,41 @@ class KVMergeMultiConnector(MultiConnector):
         #: Scheduler side: its engine steps and its own time in them.
         self._timer = StepTimer()
         if role == KVConnectorRole.SCHEDULER:
-            # What every worker should believe (rank aside): WorkerSettings.
-            self._settings = settings_of(
-                spec, self._world_size, -1, self._events_enabled
-            )
             self._refusals = Refusals()
-            self._misconfigured: set[int] = set()
-            self._last_seq: dict[int, int] = {}
             #: Worker outputs that never arrived (a gap in a rank's seq).
             self.lost_outputs = 0
             # Quiet for a whole pending window: nothing of the incident is left.
             self._incidents = Incidents(self._world_size, spec.max_pending_steps + 1)
             self._steps = 0
-            #: The mergers' expired counters after the last step (None: to
-            #: be summed again, after reset_cache).
-            self._expired_total: int | None = None
-            #: Every child's plan, until the step of a child not yet settled
-            #: runs (see ``_Child.settled``).
-            self._plans: list[_Plan | None] | None = None
             self._children = [
-                _Child(
-                    child_spec,
-                    connector,
-                    self._world_size,
-                    spec.max_pending_steps,
-                    spec.output,
-                )
+                _Child(child_spec, connector)
                 for child_spec, connector in zip(
                     spec.children, self._connectors, strict=True
                 )
             ]
+            # Every check and merge of a step (kvmerge._kvmerge.OutputMerger);
+            # a configured merger that cannot be made fails here, at start-up.
+            self._merger = OutputMerger(
+                self._world_size,
+                spec.max_pending_steps,
+                # What every worker should believe (rank aside).
+                settings_of(spec, self._world_size, -1, self._events_enabled),
+                {family: default_rule(family) for family in ENCODED},
+                [
+                    (
+                        child.label,
+                        child.spec.rule,
+                        child.spec.factors,
+                        spec.output == "objects",
+                        child.invalidate is not None,
+                    )
+                    for child in self._children
+                ],
+                KVConnectorKVEvents,
+                (MERGE_KEY, FACTORS_KEY),
+            )
+            for i in range(len(self._children)):
+                self._log_merger(i)
 
     # ==============================
     # Worker side
@@ -478,10 +251,7 @@ class KVMergeMultiConnector(MultiConnector):
         return self._rank
 
     def get_kv_connector_kv_cache_events(self) -> KVMergeKVEvents:
-        n = len(self._connectors)
-        families: list[Family | None] = [None] * n
-        entries: list[Any] = [None] * n
-        factors: list[tuple[int, ...] | None] = [None] * n
+        entries: list[Any] = [None] * len(self._connectors)
         for i, (spec, connector) in enumerate(
             zip(self._spec.children, self._connectors, strict=True)
         ):
@@ -494,17 +264,20 @@ class KVMergeMultiConnector(MultiConnector):
             if encode is None:
                 encode = is_merged(default_rule(family))
             if not encode:
-                families[i], entries[i] = FAMILY_NATIVE, container
+                entries[i] = container
                 continue
             if not self._events_enabled:
                 continue
             info = BY_NAME.get(family)
-            if info is not None and info.factors is not None:
-                factors[i] = info.factors.read(container, connector)
+            factors = (
+                info.factors.read(container, connector)
+                if info is not None and info.factors is not None
+                else None
+            )
             events = container.get_all_events()
             try:
-                entries[i] = (
-                    self._encode(events, spec, family, factors[i])
+                batch = (
+                    self._encode(events, spec, family, factors)
                     if events
                     else _empty_batch()
                 )
@@ -521,24 +294,20 @@ class KVMergeMultiConnector(MultiConnector):
                     self.worker_rank,
                     why,
                 )
-                families[i], entries[i] = FAMILY_REFUSED, why
+                entries[i] = why
                 continue
-            families[i] = family
+            entries[i] = (family, batch, factors)
         seq = self._seq
         self._seq += 1
         output = WorkerOutput(
             self.worker_rank,
-            tuple(families),
-            tuple(entries),
-            tuple(factors),
-            seq=seq,
-            settings=(
-                settings_of(
-                    self._spec, self._world_size, self.worker_rank, self._events_enabled
-                )
-                if seq == 0
-                else None
-            ),
+            seq,
+            entries,
+            settings_of(
+                self._spec, self._world_size, self.worker_rank, self._events_enabled
+            )
+            if seq == 0
+            else None,
         )
         return KVMergeKVEvents.for_worker(output)
 
@@ -575,119 +344,33 @@ class KVMergeMultiConnector(MultiConnector):
 
     def merge_stats(self) -> list[dict[str, int] | None]:
         """Per child (config order): its merger's counters, None if it has none."""
-        return [
-            child.merger.stats().as_dict() if child.merger is not None else None
-            for child in self._children
-        ]
+        return [s.as_dict() if s is not None else None for s in self._merger.stats()]
 
-    def _merge_step(self, outputs: Sequence[WorkerOutput]) -> list[Any]:
-        children = self._children
-        plans = self._plans
-        if plans is None:
-            # Kept until the step of a child not yet settled runs: nothing
-            # else changes a plan.
-            plans = self._plans = [child.plan() for child in children]
-        # The common case (every output the next of a known rank, no
-        # settings, one entry per child) is checked, ordered and merged in
-        # one call; anything else is checked here, output by output.
-        common = _merge_common_step(
-            outputs, plans, WorkerOutput, self._last_seq, self._misconfigured
-        )
-        if common is None:
-            ordered = self._checked(outputs)
-            ranks = [o.rank for o in ordered]
-            results = _merge_children(ordered, plans)
-        else:
-            # The ranks as read: an output that arrived packed stays so.
-            ordered, ranks, results = common
-        expired_before = self._expired_total
-        if expired_before is None:
-            expired_before = self._expired()
-        refusals = self._refusals
-        # Children in the common case are merged in that call; the others
-        # (and any the call could not merge: the merger is then unchanged)
-        # by their own step, which explains and counts what it drops.
-        native: list[Any] = []
-        for child, plan, result in zip(children, plans, results, strict=True):
-            if result is False and child.merger is None:
-                # No worker sent anything to a child with nothing to finish
-                # (no events yet, or no KV events at all, as most
-                # connectors): its step would unpack every output to find
-                # that out, every step.
-                native.append(None)
-                continue
-            if plan is None or result is None or result is False:
-                if not child.settled:
-                    self._plans = None
-                native.append(child.step(ordered, refusals))
-                continue
-            if isinstance(result, KVMergeError):
-                child.lose(plan[3], result, refusals)
-            else:
-                child.publish(*result)
-            native.append(None)
-        refusals.end_step()
-        expired = self._expired_total = self._expired()
-        self._incidents.observe(self._steps, ranks, expired - expired_before)
-        self._steps += 1
-        return native
+    def _log_merger(self, index: int) -> None:
+        merging = self._merger.describe(index)
+        if merging is not None:
+            logger.info("%s: merging with %s", self._children[index].label, merging)
 
-    def _checked(self, outputs: Sequence[Any]) -> list[WorkerOutput]:
-        """The outputs that can be merged, in rank order; the others refused
-        (counted and logged with their rank)."""
-        by_rank: dict[int, WorkerOutput] = {}
-        for output in outputs:
-            why = self._output_problem(output, by_rank)
-            if why is not None:
-                who = getattr(output, "rank", "?")
-                self._refusals.refuse_output(self._children, who, why)
-                continue
-            by_rank[output.rank] = output
-        return [by_rank[rank] for rank in sorted(by_rank)]
-
-    def _output_problem(self, output: Any, seen: dict[int, WorkerOutput]) -> str | None:
-        """Why a worker's output cannot be merged at all, or None.
-
-        A worker whose settings differ from the scheduler's fails the engine on
-        the first step (start-up: misconfiguration should stop it, loudly);
-        from then on its outputs are dropped and logged, as any bad output.
-        """
-        if type(output) is not WorkerOutput and not isinstance(output, WorkerOutput):
-            return f"not a WorkerOutput but {type(output).__name__}"
-        why = output.problem()
-        if why is not None:
-            return why
-        rank = output.rank
-        if not 0 <= rank < self._world_size:
-            return f"rank {rank} is outside the aggregated world of {self._world_size}"
-        if rank in seen:
-            return (
-                f"a second output claims rank {rank} in one step (two workers "
-                "with one rank? vLLM's salvaged outputs carry no KV events)"
-            )
-        if output.settings is not None:
-            differ = differences(self._settings, output.settings, rank)
-            if differ:
-                message = (
-                    f"KVMergeMultiConnector: rank {rank}'s settings differ from "
-                    f"the scheduler's: {'; '.join(differ)}"
+    def _merge_step(self, outputs: Sequence[object]) -> list[Any]:
+        """One step: ``OutputMerger.step`` checks and merges it; here its
+        refusals are counted and logged, its events handed on, and the native
+        children's containers combined."""
+        result: StepResult = self._merger.step(outputs)
+        children, refusals = self._children, self._refusals
+        for refusal in result.refusals:
+            rank = "?" if refusal.rank is None else refusal.rank
+            if refusal.kind == "settings":
+                logger.error(
+                    "KVMergeMultiConnector: rank %s's settings differ from the "
+                    "scheduler's: %s: its outputs are dropped",
+                    rank,
+                    refusal.detail,
                 )
-                if self._steps == 0:
-                    raise ConfigError(message)
-                logger.error("%s: its outputs are dropped", message)
-                self._misconfigured.add(rank)
-                return "; ".join(differ)
-            self._misconfigured.discard(rank)
-        if rank in self._misconfigured:
-            return "its settings differ from the scheduler's (logged at its start)"
-        if len(output.families) != len(self._children):
-            return (
-                f"{output.num_children} children for {len(self._children)} "
-                "connectors: workers and scheduler must share the same "
-                "kv_transfer_config"
-            )
-        last = self._last_seq.get(rank)
-        if last is not None and output.seq > last + 1:
+            if refusal.child is None:
+                refusals.refuse_output(children, rank, refusal.detail)
+            else:
+                refusals.refuse(children[refusal.child], rank, refusal.detail)
+        for rank, first, last in result.gaps:
             logger.warning(
                 "KVMergeMultiConnector: step %d: rank %d's outputs %d..%d never "
                 "arrived (vLLM drops the KV events of an output it salvages from "
@@ -695,15 +378,33 @@ class KVMergeMultiConnector(MultiConnector):
                 "reports of them will expire",
                 self._steps,
                 rank,
-                last + 1,
-                output.seq - 1,
+                first,
+                last,
             )
-            self.lost_outputs += output.seq - last - 1
-        self._last_seq[rank] = output.seq
-        return None
-
-    def _expired(self) -> int:
-        return _expired([child.merger for child in self._children])
+            self.lost_outputs += last - first + 1
+        for index in result.started:
+            self._log_merger(index)
+        native: list[Any] = []
+        for child, events, removed, natives, lost in zip(
+            children,
+            result.events,
+            result.removed,
+            result.natives,
+            result.lost,
+            strict=True,
+        ):
+            if lost is not None:
+                refusals.lost(child, *lost)
+            if natives is not None:
+                native.append(combine_native(child.spec.label, natives))
+                continue
+            native.append(None)
+            if events:
+                child.publish(events, removed)
+        refusals.end_step()
+        self._incidents.observe(self._steps, result.ranks, result.expired)
+        self._steps += 1
+        return native
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._role != KVConnectorRole.SCHEDULER:
@@ -763,10 +464,10 @@ class KVMergeMultiConnector(MultiConnector):
         try:
             return super().reset_cache()
         finally:
-            for child in self._children:
-                child.reset()
             if self._children:
-                self._expired_total = None
+                self._merger.reset()
+                for child in self._children:
+                    child.out.clear()
                 self._incidents.close(self._steps, "closed by reset_cache()")
 
     # ==============================
@@ -784,8 +485,12 @@ class KVMergeMultiConnector(MultiConnector):
         if tracker is None:
             tracker = self._stats_tracker = StatsTracker()
         timer = self._timer
+        counters = [
+            (child.spec.label, stats, child.refused)
+            for child, stats in zip(self._children, self._merger.stats(), strict=True)
+        ]
         stats = with_merge_stats(
-            children_stats, tracker.collect(self._children), timer.collect()
+            children_stats, tracker.collect(counters), timer.collect()
         )
         timer.ns += perf_counter_ns() - started
         return stats

@@ -61,6 +61,8 @@ if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge
     from vllm.config import VllmConfig
 
+    from kvmerge import MergerStats
+
 #: kvmerge's entry in ``MultiKVConnectorStats.data``.
 KEY: Final = "kvmerge"
 #: Monotonic counters: increments in the stats, Prometheus counters.
@@ -182,14 +184,16 @@ class StatsTracker:
     def __init__(self) -> None:
         self._last: dict[int, dict[str, int]] = {}
 
-    def collect(self, children: Sequence[Any]) -> KVMergeStats:
+    def collect(
+        self, children: Sequence[tuple[str, MergerStats | None, int]]
+    ) -> KVMergeStats:
+        """From each child's label, merger counters (None: no merger yet) and
+        refusals, in config order."""
         data: dict[str, dict[str, int]] = {}
-        for i, child in enumerate(children):
-            merger = child.merger
-            refused = int(getattr(child, "refused", 0))
-            if merger is None and not refused:
+        for i, (label, stats, refused) in enumerate(children):
+            if stats is None and not refused:
                 continue
-            now = merger.stats().as_dict() if merger is not None else {}
+            now = stats.as_dict() if stats is not None else {}
             current = {name: int(now.get(name, 0)) for name in _MERGER_COUNTERS}
             current["refused"] = refused
             last = self._last.get(i, {})
@@ -201,7 +205,7 @@ class StatsTracker:
                 entry[name] = value - before if value >= before else value
             entry[PENDING] = int(now.get(PENDING, 0))
             self._last[i] = current
-            data[child.spec.label] = entry
+            data[label] = entry
         return KVMergeStats(data=data)
 
 

@@ -9,7 +9,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyMemoryView, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyList, PyMemoryView, PyTuple, PyType};
 
 use crate::convert::{
     decode_events, export_read_only, indices_arg, kind_arg, payload_slice, type_name,
@@ -59,7 +59,7 @@ unsafe impl Backing for HeldBytes {
 }
 
 /// `pickle.PickleBuffer`, the type itself (looked up once).
-fn pickle_buffer_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
+pub(crate) fn pickle_buffer_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
     static CELL: pyo3::sync::PyOnceLock<Py<PyType>> = pyo3::sync::PyOnceLock::new();
     CELL.get_or_try_init(py, || -> PyResult<_> {
         Ok(py
@@ -274,53 +274,8 @@ impl PyEventBatch {
         })
     }
 
-    // `_from_pickle` for the entries of one message, in one call where the
-    // container's reconstructor looped in Python, one call per batch: each
-    // position in `batches` holds a batch's buffer, or the index of an
-    // earlier position whose batch it shares. Never raises for what it is
-    // given: the entries come back as they came if `batches` does not name
-    // positions in range (the output's checks then refuse them).
-    #[staticmethod]
-    fn _from_pickle_entries<'py>(
-        py: Python<'py>,
-        entries: &Bound<'py, PyAny>,
-        batches: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let (Ok(entries_t), Ok(batches_t)) = (
-            entries.cast_exact::<PyTuple>(),
-            batches.cast_exact::<PyTuple>(),
-        ) else {
-            return Ok(entries.clone());
-        };
-        let n = entries_t.len();
-        let mut out: Vec<Bound<'py, PyAny>> = entries_t.iter().collect();
-        for at in batches_t.iter() {
-            let i = match at
-                .cast_exact::<PyInt>()
-                .ok()
-                .and_then(|i| i.extract::<usize>().ok())
-            {
-                Some(i) if i < n => i,
-                _ => return Ok(entries.clone()),
-            };
-            let item = &out[i];
-            if let Ok(earlier) = item.cast_exact::<PyInt>() {
-                // The batch of an earlier child (left as it is if that is none).
-                if let Ok(j) = earlier.extract::<usize>() {
-                    if j < i && out[j].is_exact_instance_of::<PyEventBatch>() {
-                        out[i] = out[j].clone();
-                    }
-                }
-                continue;
-            }
-            let batch = Self::_from_pickle(py, item);
-            out[i] = Bound::new(py, batch)?.into_any();
-        }
-        Ok(PyTuple::new(py, out)?.into_any())
-    }
-
     #[getter]
-    fn error(&self) -> Option<&str> {
+    pub(crate) fn error(&self) -> Option<&str> {
         self.error.as_deref()
     }
 

@@ -10,10 +10,12 @@ mod errors;
 mod gil;
 mod layout;
 mod merger;
-mod packed;
+mod output;
 mod raw;
 mod schema;
+mod settings;
 mod step;
+mod wire;
 mod write;
 
 use pyo3::prelude::*;
@@ -56,10 +58,11 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode::encode, m)?)?;
     m.add_function(wrap_pyfunction!(batch::_borrow_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(layout::_layout, m)?)?;
-    m.add_function(wrap_pyfunction!(step::_merge_children, m)?)?;
-    m.add_function(wrap_pyfunction!(step::_merge_common_step, m)?)?;
-    m.add_function(wrap_pyfunction!(step::_expired, m)?)?;
-    m.add_function(wrap_pyfunction!(packed::_pack, m)?)?;
-    m.add_function(wrap_pyfunction!(packed::_unpack, m)?)?;
+    m.add_class::<output::PyWorkerOutput>()?;
+    m.add_class::<settings::PyWorkerSettings>()?;
+    m.add_class::<step::PyOutputMerger>()?;
+    m.add_class::<step::PyRefusal>()?;
+    m.add_class::<step::PyStepResult>()?;
+    m.add_function(wrap_pyfunction!(step::_refusal_kinds, m)?)?;
     Ok(())
 }

@@ -246,6 +246,12 @@ pub(crate) fn raw_and_decoded<'py>(
 #[pyclass(module = "kvmerge", frozen, name = "MergerStats")]
 pub struct PyMergerStats(Stats);
 
+impl From<Stats> for PyMergerStats {
+    fn from(stats: Stats) -> Self {
+        PyMergerStats(stats)
+    }
+}
+
 #[pymethods]
 impl PyMergerStats {
     #[getter]

@@ -1,424 +1,832 @@
-//! `_merge_children`: one call per scheduler step for every child of
-//! `KVMergeMultiConnector` whose batches need no Python to merge.
+//! `OutputMerger`: the scheduler's step of `KVMergeMultiConnector`, every
+//! check and every merge of it in one call.
 //!
-//! At decode-size steps (TP 8, 32 events per child, three children) the
-//! Python loop that picked each child's batch out of each rank's output, and
-//! the separate calls to add and finish, were 5-13 us of the step's 50-60 us
-//! of merging (the merge itself about 30). Here
-//! the common case (every rank sent this child a valid batch of the child's
-//! family, or nothing) is recognised from the outputs as they are, and the
-//! child is merged and finished in the same call. Anything else, and any
-//! batch set the merger refuses, is left to the connector's Python path
-//! (`_Child.step`), which explains, counts and logs it: the merger is then
-//! exactly as it was.
-//!
-//! `_merge_common_step` takes the rest of the step's common case too: the
-//! worker outputs' checks (what `_output_problem` would accept without a
-//! word; a rank `last_seq` knows is one it found in the world), their order
-//! and the merge. Taking the connector's per-step Python out piece by piece
-//! moved nothing measurable after vLLM's step had left the caches cold; all
-//! of it at once made the decode-size step about 7% shorter
-//! (docs/benchmarks.md, "The whole common step in one call").
+//! It holds what the step needs across steps: each rank's last `seq` and
+//! whether its settings differed, and each child's mode, family, rule and
+//! merger. Given one step's worker outputs it checks each output and each
+//! child's part of it once, here and nowhere else, merges what passes, and
+//! returns per child the merged events (or the native containers), and
+//! every refusal as a `Refusal`: kind, rank, child, detail. Python logs,
+//! counts and hands the events on. A refused batch costs only itself: that
+//! rank's batch of that child in that step.
 
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use kvmerge_core::{Batch, Merger};
+use kvmerge_core::{Batch, Error, Merger, MergerConfig, Rule};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
+use pyo3::types::{PyList, PyType};
 
 use crate::batch::PyEventBatch;
-use crate::convert::kind_arg;
-use crate::errors::KVMergeError;
-use crate::gil::is_small;
-use crate::merger::{raw_and_decoded, PyMerger};
-use crate::packed::Packed;
+use crate::convert::type_name;
+use crate::errors::{config, PyKvError};
+use crate::gil::{is_small, without_gil_unless};
+use crate::merger::{raw_and_decoded, PyMergerStats};
+use crate::output::{PyWorkerOutput, Read};
+use crate::settings::{py_factors, PyWorkerSettings, Settings};
+use crate::wire::Part;
+use kvmerge_core::EventKind;
 
-/// What the connector knows of one child once its family and merger are
-/// fixed: its position in each output, the family its batches must have, the
-/// replication factors they may report, its merger, and the kind of events
-/// to return decoded as well (for a scheduler hook), if any.
-type Plan<'py> = (
-    usize,
-    Bound<'py, PyString>,
-    Option<Vec<i64>>,
-    Bound<'py, PyMerger>,
-    Option<String>,
-);
-
-/// One worker output (`WorkerOutput`) as the step reads it: its rank and
-/// its children's entries.
-struct Output<'py> {
-    rank: i64,
-    entries: Entries<'py>,
-}
-
-/// A worker output's entries: its fields (checked by the connector: exact
-/// tuples, one entry per child), or the buffer it arrived packed in.
-enum Entries<'py> {
-    Fields {
-        families: Bound<'py, PyTuple>,
-        entries: Bound<'py, PyTuple>,
-        factors: Bound<'py, PyTuple>,
-    },
-    Packed(Packed),
-}
-
-/// A worker output of the common shape, read by `_merge_common_step`: its
-/// fields, and its rank and `seq` as the ints they are.
-struct Common<'py> {
-    output: Bound<'py, PyAny>,
-    fields: Output<'py>,
-    rank: Bound<'py, PyInt>,
-    seq: Bound<'py, PyInt>,
-}
-
-impl<'py> Common<'py> {
-    /// `output` when it is exactly a `WorkerOutput` (`output_type`) with
-    /// no settings, int rank and `seq`, and one entry per child (`n`) in
-    /// each of its tuples; None for anything else.
-    fn read(
-        output: &Bound<'py, PyAny>,
-        output_type: &Bound<'py, PyType>,
-        n: usize,
-    ) -> Option<Common<'py>> {
-        let py = output.py();
-        if !output.get_type().is(output_type) {
-            return None;
+/// Declares the kinds of refusal, each once: its variant, its name in
+/// Python, and what it means (`REFUSAL_KINDS`, docs/robustness.md).
+macro_rules! refusal_kinds {
+    ($($variant:ident => $name:literal, $doc:literal;)*) => {
+        /// Why the step refused an output, or one child's part of it.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum Kind {
+            $(#[doc = $doc] $variant,)*
         }
-        if let Some(packed) = packed_field(output)? {
-            // Packed: no settings, int rank and `seq` (see `packed`).
-            let (fields, seq) = Output::packed(&packed)?;
-            if fields.len() != n {
-                return None;
+
+        impl Kind {
+            pub const ALL: &'static [Kind] = &[$(Kind::$variant,)*];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Kind::$variant => $name,)*
+                }
             }
-            return Some(Common {
-                output: output.clone(),
-                rank: PyInt::new(py, fields.rank),
-                seq: PyInt::new(py, seq),
-                fields,
+
+            pub fn doc(self) -> &'static str {
+                match self {
+                    $(Kind::$variant => $doc,)*
+                }
+            }
+        }
+    };
+}
+
+refusal_kinds! {
+    Output => "output", "Not a worker output, or one whose buffer is damaged.";
+    Rank => "rank", "A rank outside the aggregated world.";
+    Duplicate => "duplicate", "A second output of one rank in one step.";
+    Settings => "settings", "The worker's settings differ from the scheduler's.";
+    Misconfigured => "misconfigured", "An output of a rank whose settings differed.";
+    Children => "children", "Another number of children than the scheduler's.";
+    Encode => "encode", "The worker could not encode the child's events.";
+    Native => "native", "A native child's container is not a KVConnectorKVEvents.";
+    Family => "family", "A container family, or mode, this child cannot take.";
+    Factors => "factors", "Replication factors that are missing, invalid or disagree.";
+    Batch => "batch", "A batch that does not read (damaged in transit).";
+    Merge => "merge", "The child's merger refused the batch.";
+}
+
+/// One refusal: what, whose (a rank, when known), where (a child, or every
+/// child when the whole output was refused), and the detail an operator
+/// reads in the log.
+#[pyclass(module = "kvmerge._kvmerge", frozen, get_all, name = "Refusal")]
+pub struct PyRefusal {
+    kind: &'static str,
+    rank: Option<i64>,
+    child: Option<usize>,
+    detail: String,
+}
+
+#[pymethods]
+impl PyRefusal {
+    fn __repr__(&self) -> String {
+        format!(
+            "Refusal(kind={:?}, rank={:?}, child={:?}, detail={:?})",
+            self.kind, self.rank, self.child, self.detail
+        )
+    }
+}
+
+/// What one step gave, per child in config order, and its refusals.
+#[pyclass(module = "kvmerge._kvmerge", frozen, get_all, name = "StepResult")]
+pub struct PyStepResult {
+    ranks: Vec<i64>,
+    events: Py<PyList>,
+    removed: Py<PyList>,
+    natives: Py<PyList>,
+    lost: Vec<Option<(u64, String)>>,
+    refusals: Py<PyList>,
+    gaps: Vec<(i64, i64, i64)>,
+    expired: u64,
+    started: Vec<usize>,
+}
+
+/// The rule names a child's setting may hold besides a merger's rules.
+const NATIVE: &str = "native";
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Merge,
+    Native,
+}
+
+/// A rule as configured or inferred: a merger's, or native.
+fn merged_rule(rule: &str) -> Option<Rule> {
+    rule.parse::<Rule>().ok()
+}
+
+/// `repr(x)` of Python's values as the log shows them.
+fn py_opt_str(value: Option<&str>) -> String {
+    value.map_or_else(|| "None".into(), |v| format!("'{v}'"))
+}
+
+fn py_opt_factors(value: Option<&[i64]>) -> String {
+    value.map_or_else(|| "None".into(), py_factors)
+}
+
+/// The settings' names, as `kvmerge.vllm.config` spells them.
+#[derive(FromPyObject)]
+struct Keys(String, String);
+
+/// One child as the connector configures it: its label, configured rule
+/// and factors, whether its events leave as objects, and whether its
+/// scheduler has a removal hook.
+#[derive(FromPyObject)]
+struct ChildArg(String, Option<String>, Option<Vec<i64>>, bool, bool);
+
+struct Child {
+    label: String,
+    rule: Option<String>,
+    factors: Option<Vec<i64>>,
+    objects: bool,
+    hook: bool,
+    mode: Option<Mode>,
+    family: Option<String>,
+    merger: Option<Merger>,
+    merger_rule: Option<Rule>,
+    merger_factors: Option<Vec<i64>>,
+    factors_from: String,
+}
+
+/// A refusal before it becomes a Python object.
+struct Refused {
+    kind: Kind,
+    rank: Option<i64>,
+    child: Option<usize>,
+    detail: String,
+}
+
+type Why = (Kind, String);
+
+#[pyclass(module = "kvmerge._kvmerge", name = "OutputMerger")]
+pub struct PyOutputMerger {
+    world_size: usize,
+    max_pending_steps: u64,
+    settings: Settings,
+    /// Each encoded family this kvmerge knows, and the rule it implies.
+    families: HashMap<String, String>,
+    keys: Keys,
+    native_type: Py<PyType>,
+    children: Vec<Child>,
+    last_seq: HashMap<i64, i64>,
+    misconfigured: Vec<i64>,
+    steps: u64,
+}
+
+impl Child {
+    fn rule_setting(&self, keys: &Keys) -> String {
+        match &self.rule {
+            Some(rule) => format!("{}='{rule}'", keys.0),
+            None => format!(
+                "{} (inferred '{}' from a {} container)",
+                keys.0,
+                self.merger_rule.map_or("?", Rule::name),
+                self.family.as_deref().unwrap_or("?")
+            ),
+        }
+    }
+
+    fn make_merger(
+        &mut self,
+        rule: Rule,
+        factors: Option<Vec<i64>>,
+        from: String,
+        world_size: usize,
+        max_pending_steps: u64,
+    ) -> Result<(), String> {
+        let fail = |e: String| {
+            format!(
+                "{}: rule '{}' with replication factors {} (from {}): {e}",
+                self.label,
+                rule.name(),
+                py_opt_factors(factors.as_deref()),
+                if from.is_empty() { "nowhere" } else { &from }
+            )
+        };
+        let mut cfg = MergerConfig::new(world_size, rule);
+        cfg.max_pending_steps = max_pending_steps;
+        cfg.carriers.replication_factors = factors
+            .as_deref()
+            .map(|f| {
+                f.iter()
+                    .map(|&x| {
+                        u32::try_from(x).map_err(|_| format!("replication factor {x} is not a u32"))
+                    })
+                    .collect::<Result<Vec<u32>, String>>()
+            })
+            .transpose()
+            .map_err(fail)?;
+        let merger = Merger::new(cfg).map_err(|e| fail(e.to_string()))?;
+        self.merger = Some(merger);
+        self.merger_rule = Some(rule);
+        self.merger_factors = factors;
+        self.factors_from = from;
+        Ok(())
+    }
+
+    /// Fixes this child's mode, family and merger from a rank's part of
+    /// `family` (None: a native container) with the factors it `reported`;
+    /// or says why this part cannot join this child. True when it made the
+    /// merger.
+    fn resolve(
+        &mut self,
+        family: Option<&str>,
+        reported: Option<&[i64]>,
+        rule_of: &HashMap<String, String>,
+        keys: &Keys,
+        world_size: usize,
+        max_pending_steps: u64,
+    ) -> Result<bool, Why> {
+        let named = family.unwrap_or(NATIVE);
+        match &self.family {
+            None => self.family = Some(named.to_owned()),
+            Some(known) if known.as_str() != named => {
+                return Err((
+                    Kind::Family,
+                    format!(
+                        "a {named} container, but this child returned {known} containers before"
+                    ),
+                ))
+            }
+            Some(_) => {}
+        }
+        let native = family.is_none();
+        match self.mode {
+            None => self.mode = Some(if native { Mode::Native } else { Mode::Merge }),
+            Some(mode) if native != (mode == Mode::Native) => {
+                return Err((
+                    Kind::Family,
+                    format!(
+                        "a {named} {}, but the scheduler's {} setting is {}: workers and \
+                         scheduler must share the same kv_transfer_config",
+                        if native { "container" } else { "batch" },
+                        keys.0,
+                        py_opt_str(self.rule.as_deref())
+                    ),
+                ))
+            }
+            Some(_) => {}
+        }
+        if self.mode != Some(Mode::Merge) {
+            return Ok(false);
+        }
+        if self.merger.is_none() {
+            let rule = self
+                .rule
+                .clone()
+                .or_else(|| rule_of.get(named).cloned())
+                .unwrap_or_else(|| NATIVE.to_owned());
+            let Some(rule) = merged_rule(&rule) else {
+                return Err((
+                    Kind::Family,
+                    format!(
+                        "a {named} batch, but the scheduler infers {}='{rule}' for a {named} \
+                         container: workers and scheduler must share the same kv_transfer_config",
+                        keys.0
+                    ),
+                ));
+            };
+            let (mut factors, mut from) = (self.factors.clone(), keys.1.clone());
+            if rule == Rule::Quorum && factors.is_none() {
+                factors = reported.map(<[i64]>::to_vec);
+                from = format!("the {named} container");
+                if factors.is_none() {
+                    return Err((
+                        Kind::Factors,
+                        format!(
+                            "{}='quorum' needs replication factors, one per KV cache group: set \
+                             {} in this child's kv_connector_extra_config (its containers carry \
+                             none)",
+                            keys.0, keys.1
+                        ),
+                    ));
+                }
+            }
+            self.make_merger(rule, factors, from, world_size, max_pending_steps)
+                .map_err(|e| (Kind::Factors, e))?;
+            return Ok(true);
+        }
+        if let (Some(Rule::Quorum), Some(reported)) = (self.merger_rule, reported) {
+            if self.factors_from != keys.1 && Some(reported) != self.merger_factors.as_deref() {
+                return Err((
+                    Kind::Factors,
+                    format!(
+                        "replication factors {}, others {}; set {} to choose",
+                        py_factors(reported),
+                        py_opt_factors(self.merger_factors.as_deref()),
+                        keys.1
+                    ),
+                ));
+            }
+        }
+        Ok(false)
+    }
+
+    /// Why the merger refused a batch, as the log says it.
+    fn explain(&self, py: Python<'_>, e: Error, keys: &Keys) -> String {
+        if let Error::GroupOutOfRange { .. } = e {
+            return format!(
+                "{} with replication factors {} (from {}) does not cover its KV cache group: {e}",
+                self.rule_setting(keys),
+                py_opt_factors(self.merger_factors.as_deref()),
+                self.factors_from
+            );
+        }
+        error_text(py, e)
+    }
+}
+
+/// `"{class}: {message}"` of the Python exception a core error raises.
+fn error_text(py: Python<'_>, e: Error) -> String {
+    let message = e.to_string();
+    let err = PyErr::from(PyKvError(e));
+    let class = err
+        .get_type(py)
+        .name()
+        .map_or_else(|_| "KVMergeError".to_owned(), |n| n.to_string());
+    format!("{class}: {message}")
+}
+
+fn empty() -> Arc<Batch> {
+    static EMPTY: OnceLock<Arc<Batch>> = OnceLock::new();
+    EMPTY.get_or_init(|| Arc::new(Batch::empty())).clone()
+}
+
+/// An output that passed the output-level checks.
+struct Accepted<'a> {
+    rank: i64,
+    output: &'a PyWorkerOutput,
+    read: &'a Read,
+}
+
+impl PyOutputMerger {
+    /// The output-level checks of one output (`seen`: the ranks accepted so
+    /// far this step; `misconfigured`: this step's view of the ranks whose
+    /// settings differ). Changes nothing but those two.
+    fn check_output<'a>(
+        &self,
+        item: &'a Bound<'_, PyAny>,
+        seen: &[i64],
+        misconfigured: &mut Vec<i64>,
+    ) -> PyResult<Result<Accepted<'a>, Refused>> {
+        let refuse = |kind, rank, detail| {
+            Ok(Err(Refused {
+                kind,
+                rank,
+                child: None,
+                detail,
+            }))
+        };
+        let Ok(output) = item.cast_exact::<PyWorkerOutput>() else {
+            return refuse(
+                Kind::Output,
+                None,
+                format!("not a WorkerOutput but {}", type_name(item)),
+            );
+        };
+        let output: &'a PyWorkerOutput = output.get();
+        let read = match output.read() {
+            Ok(read) => read,
+            Err(damage) => {
+                return refuse(
+                    Kind::Output,
+                    damage.rank,
+                    format!("the worker output is damaged: {}", damage.why),
+                )
+            }
+        };
+        let rank = read.header.rank;
+        if usize::try_from(rank).map_or(true, |r| r >= self.world_size) {
+            return refuse(
+                Kind::Rank,
+                Some(rank),
+                format!(
+                    "rank {rank} is outside the aggregated world of {}",
+                    self.world_size
+                ),
+            );
+        }
+        if seen.contains(&rank) {
+            return refuse(
+                Kind::Duplicate,
+                Some(rank),
+                format!(
+                    "a second output claims rank {rank} in one step (two workers with one \
+                     rank? vLLM's salvaged outputs carry no KV events)"
+                ),
+            );
+        }
+        if let Some(theirs) = &read.header.settings {
+            let differ = self.settings.differences(theirs, rank);
+            if !differ.is_empty() {
+                if self.steps == 0 {
+                    // Start-up: misconfiguration stops the engine, loudly.
+                    return Err(config(
+                        item.py(),
+                        format!(
+                            "KVMergeMultiConnector: rank {rank}'s settings differ from the \
+                             scheduler's: {}",
+                            differ.join("; ")
+                        ),
+                    ));
+                }
+                if !misconfigured.contains(&rank) {
+                    misconfigured.push(rank);
+                }
+                return refuse(Kind::Settings, Some(rank), differ.join("; "));
+            }
+            misconfigured.retain(|&r| r != rank);
+        }
+        if misconfigured.contains(&rank) {
+            return refuse(
+                Kind::Misconfigured,
+                Some(rank),
+                "its settings differ from the scheduler's (logged at its start)".into(),
+            );
+        }
+        let n = read.header.parts.len();
+        if n != self.children.len() {
+            return refuse(
+                Kind::Children,
+                Some(rank),
+                format!(
+                    "{n} children for {} connectors: workers and scheduler must share the \
+                     same kv_transfer_config",
+                    self.children.len()
+                ),
+            );
+        }
+        Ok(Ok(Accepted { rank, output, read }))
+    }
+
+    /// Child `index`'s part of `a`: the batch to add (the empty batch for a
+    /// child that returned nothing), or None for a native container, which
+    /// goes to `natives`; or why it is refused. True in the second field
+    /// when it made the child's merger.
+    fn take_part(
+        &mut self,
+        py: Python<'_>,
+        index: usize,
+        a: &Accepted<'_>,
+        natives: &mut Vec<Py<PyAny>>,
+    ) -> Result<(Arc<Batch>, bool), Why> {
+        let (families, keys) = (&self.families, &self.keys);
+        let (world_size, max_pending) = (self.world_size, self.max_pending_steps);
+        let child = &mut self.children[index];
+        match &a.read.header.parts[index] {
+            Part::Nothing => Ok((empty(), false)),
+            Part::Refused(reason) => {
+                let reason = String::from_utf8_lossy(a.read.bytes(reason));
+                let cut: String = reason.chars().take(500).collect();
+                Err((
+                    Kind::Encode,
+                    format!("the worker could not encode it: {cut}"),
+                ))
+            }
+            Part::Native => {
+                let container = a.output.native(py, index);
+                let Some(container) =
+                    container.filter(|c| c.is_instance(self.native_type.bind(py)).unwrap_or(false))
+                else {
+                    let found = a
+                        .output
+                        .native(py, index)
+                        .map_or_else(|| "NoneType".to_owned(), |c| type_name(&c));
+                    return Err((
+                        Kind::Native,
+                        format!("a native child's container is a {found}"),
+                    ));
+                };
+                child.resolve(None, None, families, keys, world_size, max_pending)?;
+                natives.push(container.unbind());
+                Ok((empty(), false))
+            }
+            Part::Batch {
+                family,
+                factors,
+                batch,
+            } => {
+                let family = String::from_utf8_lossy(a.read.bytes(family));
+                if !families.contains_key(family.as_ref()) {
+                    let cut: String = family.chars().take(50).collect();
+                    return Err((Kind::Family, format!("an unknown container family '{cut}'")));
+                }
+                if let Some(f) = factors {
+                    if f.iter().any(|&x| x < 1) {
+                        return Err((
+                            Kind::Factors,
+                            format!(
+                                "replication factors {} are not positive ints",
+                                py_factors(f)
+                            ),
+                        ));
+                    }
+                }
+                let batch = a.read.batch(py, batch).map_err(|why| (Kind::Batch, why))?;
+                let started = child.resolve(
+                    Some(&family),
+                    factors.as_deref(),
+                    families,
+                    keys,
+                    world_size,
+                    max_pending,
+                )?;
+                Ok((Arc::new(batch), started))
+            }
+        }
+    }
+
+    /// Adds the step's batches of child `index` to its merger, one rank at
+    /// a time (each add checks everything first: a refused batch changes
+    /// nothing), and finishes its step.
+    fn merge_child(
+        &mut self,
+        py: Python<'_>,
+        index: usize,
+        adds: Vec<(i64, Arc<Batch>)>,
+        refused: &mut Vec<Refused>,
+    ) -> PyResult<ChildOut> {
+        let keys = &self.keys;
+        let child = &mut self.children[index];
+        let Some(merger) = child.merger.as_mut() else {
+            return Ok(ChildOut::default());
+        };
+        let mut rejected = Vec::new();
+        for (rank, batch) in adds {
+            let small = is_small(0, batch.len() as u64);
+            if let Err(e) = without_gil_unless(py, small, || merger.add(rank, batch)) {
+                rejected.push((rank, e));
+            }
+        }
+        let (bytes, reports) = merger.load();
+        let small = is_small(bytes, reports);
+        let objects = child.objects;
+        let kind = (child.hook && !objects).then_some(EventKind::BlockRemoved);
+        let finished = if objects {
+            let batch = without_gil_unless(py, small, || merger.finish_step());
+            let batch = Bound::new(py, PyEventBatch::new(batch))?;
+            PyEventBatch::decode(&batch).map(|events| (events, None))
+        } else {
+            let published = without_gil_unless(py, small, || merger.finish_step_published());
+            raw_and_decoded(py, &published, kind)
+                .map(|(raws, removed)| (raws.into_any(), kind.map(|_| removed)))
+        };
+        let step = merger.step();
+        for (rank, e) in rejected {
+            refused.push(Refused {
+                kind: Kind::Merge,
+                rank: Some(rank),
+                child: Some(index),
+                detail: child.explain(py, e, keys),
             });
         }
-        if !output
-            .getattr(pyo3::intern!(py, "settings"))
-            .ok()?
-            .is_none()
-        {
-            return None;
-        }
-        let rank = int_field(output, pyo3::intern!(py, "rank"))?;
-        let seq = int_field(output, pyo3::intern!(py, "seq"))?;
-        let fields = Output::read_with(output, &rank)?;
-        if fields.len() != n {
-            return None;
-        }
-        Some(Common {
-            output: output.clone(),
-            fields,
-            rank,
-            seq,
-        })
-    }
-
-    /// Whether this is the next output of a rank `last_seq` knows (the
-    /// `seq` after the last one seen) and `misconfigured` does not hold.
-    fn is_next(&self, last_seq: &Bound<'py, PyDict>, misconfigured: &Bound<'py, PySet>) -> bool {
-        if !misconfigured.is_empty() && misconfigured.contains(&self.rank).unwrap_or(true) {
-            return false;
-        }
-        let Ok(Some(last)) = last_seq.get_item(&self.rank) else {
-            return false;
-        };
-        let last = last
-            .cast_exact::<PyInt>()
-            .ok()
-            .and_then(|l| l.extract::<i64>().ok());
-        let seq = self.seq.extract::<i64>().ok();
-        matches!((last, seq), (Some(l), Some(s)) if s.checked_sub(1) == Some(l))
-    }
-}
-
-impl<'py> Output<'py> {
-    fn read(output: &Bound<'py, PyAny>) -> Option<Output<'py>> {
-        if let Some(packed) = packed_field(output)? {
-            return Output::packed(&packed).map(|(fields, _)| fields);
-        }
-        let rank = int_field(output, pyo3::intern!(output.py(), "rank"))?;
-        Output::read_with(output, &rank)
-    }
-
-    /// An output that arrived packed in `buffer`, and its `seq`; None when
-    /// the buffer does not read.
-    fn packed(buffer: &Bound<'py, PyAny>) -> Option<(Output<'py>, i64)> {
-        let packed = Packed::read(buffer).ok()?;
-        let (rank, seq) = (packed.rank, packed.seq);
-        let entries = Entries::Packed(packed);
-        Some((Output { rank, entries }, seq))
-    }
-
-    /// `read` of an unpacked output, the rank already read.
-    fn read_with(output: &Bound<'py, PyAny>, rank: &Bound<'py, PyInt>) -> Option<Output<'py>> {
-        let py = output.py();
-        let tuple = |name| output.getattr(name).ok()?.cast_into_exact::<PyTuple>().ok();
-        let (families, entries, factors) = (
-            tuple(pyo3::intern!(py, "families"))?,
-            tuple(pyo3::intern!(py, "entries"))?,
-            tuple(pyo3::intern!(py, "factors"))?,
-        );
-        if entries.len() != families.len() || factors.len() != families.len() {
-            return None;
-        }
-        Some(Output {
-            rank: rank.extract().ok()?,
-            entries: Entries::Fields {
-                families,
-                entries,
-                factors,
+        Ok(match finished {
+            Ok((events, removed)) => ChildOut {
+                events: Some(events.unbind()),
+                removed: removed.map(Bound::unbind),
+                lost: None,
+            },
+            // Merged, but the events do not decode (a forged removal for
+            // the hook): the step's output is lost, counted and logged.
+            Err(e) => ChildOut {
+                events: None,
+                removed: None,
+                lost: Some((step, py_error_text(py, &e))),
             },
         })
     }
 
-    /// How many children this output has entries for.
-    fn len(&self) -> usize {
-        match &self.entries {
-            Entries::Fields { families, .. } => families.len(),
-            Entries::Packed(packed) => packed.len(),
-        }
+    fn expired(&self) -> u64 {
+        self.children
+            .iter()
+            .filter_map(|c| c.merger.as_ref())
+            .map(|m| m.stats().expired)
+            .sum()
     }
+}
 
-    /// Whether this output holds nothing for child `index` (the child
-    /// returned None on this worker).
-    fn holds_nothing(&self, index: usize) -> bool {
-        if index >= self.len() {
-            return false;
-        }
-        match &self.entries {
-            // The header holds no batch for a child without a family.
-            Entries::Packed(packed) => packed.family(index).is_none(),
-            Entries::Fields {
-                families, entries, ..
-            } => {
-                families.get_item(index).is_ok_and(|f| f.is_none())
-                    && entries.get_item(index).is_ok_and(|e| e.is_none())
-            }
-        }
-    }
+#[derive(Default)]
+struct ChildOut {
+    events: Option<Py<PyAny>>,
+    removed: Option<Py<PyAny>>,
+    lost: Option<(u64, String)>,
+}
 
-    /// This output's batch for the child of `plan`: its own (valid, of the
-    /// child's family, reporting no factors or the child's own), the empty
-    /// batch when the child returned nothing, or None for anything else.
-    fn batch(&self, plan: &Plan<'py>, empty: &Arc<Batch>) -> Option<Arc<Batch>> {
-        let (index, family, factors, _, _) = plan;
-        if *index >= self.len() {
-            return None;
-        }
-        if self.holds_nothing(*index) {
-            return Some(empty.clone());
-        }
-        match &self.entries {
-            Entries::Packed(packed) => {
-                let kind = packed.family(*index)?;
-                if kind != family.to_str().ok()?.as_bytes() {
-                    return None;
-                }
-                if let Some(reported) = packed.factors(*index) {
-                    if factors.as_deref() != Some(reported) {
-                        return None;
+/// `"{class}: {message}"` of a Python exception.
+fn py_error_text(py: Python<'_>, e: &PyErr) -> String {
+    let class = e
+        .get_type(py)
+        .name()
+        .map_or_else(|_| "Exception".to_owned(), |n| n.to_string());
+    format!("{class}: {}", e.value(py))
+}
+
+// The Python-facing docs are in _kvmerge.pyi; comments here say why.
+#[pymethods]
+impl PyOutputMerger {
+    #[new]
+    #[pyo3(signature = (world_size, max_pending_steps, settings, families, children, native_type, keys))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        world_size: usize,
+        max_pending_steps: u64,
+        settings: &Bound<'_, PyWorkerSettings>,
+        families: HashMap<String, String>,
+        children: Vec<ChildArg>,
+        native_type: Bound<'_, PyType>,
+        keys: Keys,
+    ) -> PyResult<Self> {
+        let mut built = Vec::with_capacity(children.len());
+        for ChildArg(label, rule, factors, objects, hook) in children {
+            let mut child = Child {
+                label,
+                rule: rule.clone(),
+                factors: factors.clone(),
+                objects,
+                hook,
+                mode: None,
+                family: None,
+                merger: None,
+                merger_rule: None,
+                merger_factors: None,
+                factors_from: String::new(),
+            };
+            match rule.as_deref() {
+                Some(NATIVE) => child.mode = Some(Mode::Native),
+                Some(name) => {
+                    let Some(merged) = merged_rule(name) else {
+                        return Err(config(
+                            py,
+                            format!("{}: {}='{name}' is not a merge rule", child.label, keys.0),
+                        ));
+                    };
+                    child.mode = Some(Mode::Merge);
+                    if merged != Rule::Quorum || factors.is_some() {
+                        child
+                            .make_merger(
+                                merged,
+                                factors,
+                                keys.1.clone(),
+                                world_size,
+                                max_pending_steps,
+                            )
+                            .map_err(|e| config(py, e))?;
                     }
                 }
-                packed.batch(family.py(), *index).ok().map(Arc::new)
+                None => {}
             }
-            Entries::Fields {
-                families,
-                entries,
-                factors: reported,
-            } => {
-                // Not a string (None, with an entry): not of the common shape.
-                let kind = families.get_item(*index).ok()?;
-                let kind = kind.cast_exact::<PyString>().ok()?;
-                if kind.to_str().ok()? != family.to_str().ok()? {
-                    return None;
-                }
-                let reported = reported.get_item(*index).ok()?;
-                if !reported.is_none() && !same_factors(&reported, factors.as_deref()) {
-                    return None;
-                }
-                entries
-                    .get_item(*index)
-                    .ok()?
-                    .cast_exact::<PyEventBatch>()
-                    .ok()?
-                    .get()
-                    .valid()
-                    .cloned()
-            }
+            built.push(child);
         }
-    }
-}
-
-/// `output._packed`: Some(the buffer) for an output that arrived packed and
-/// has not been unpacked, Some(None) for any other; None if unreadable.
-fn packed_field<'py>(output: &Bound<'py, PyAny>) -> Option<Option<Bound<'py, PyAny>>> {
-    let packed = output.getattr(pyo3::intern!(output.py(), "_packed")).ok()?;
-    Some((!packed.is_none()).then_some(packed))
-}
-
-/// `output.name` when it is exactly an int.
-fn int_field<'py>(
-    output: &Bound<'py, PyAny>,
-    name: &Bound<'py, PyString>,
-) -> Option<Bound<'py, PyInt>> {
-    output.getattr(name).ok()?.cast_into_exact::<PyInt>().ok()
-}
-
-/// Whether `reported` is a tuple of exactly the ints `known` (`True` equals
-/// 1, but is no replication factor).
-fn same_factors(reported: &Bound<'_, PyAny>, known: Option<&[i64]>) -> bool {
-    let (Ok(reported), Some(known)) = (reported.cast_exact::<PyTuple>(), known) else {
-        return false;
-    };
-    reported.len() == known.len()
-        && reported.iter().zip(known).all(|(f, &k)| {
-            f.cast_exact::<PyInt>()
-                .is_ok_and(|f| f.extract::<i64>().is_ok_and(|f| f == k))
+        Ok(PyOutputMerger {
+            world_size,
+            max_pending_steps,
+            settings: settings.get().0.clone(),
+            families,
+            keys,
+            native_type: native_type.unbind(),
+            children: built,
+            last_seq: HashMap::new(),
+            misconfigured: Vec::new(),
+            steps: 0,
         })
-}
-
-/// Adds every rank's batch of one child and finishes its step: its events
-/// and the hook's decoded, or the `KVMergeError` that lost them; None (the
-/// merger unchanged) when a batch is not of the common shape or the merger
-/// refuses them.
-fn merge_child<'py>(
-    py: Python<'py>,
-    outputs: &[Output<'py>],
-    plan: &Plan<'py>,
-    empty: &Arc<Batch>,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    let Some(batches) = outputs
-        .iter()
-        .map(|o| Some((o.rank, o.batch(plan, empty)?)))
-        .collect::<Option<Vec<_>>>()
-    else {
-        return Ok(None);
-    };
-    let incoming = batches.iter().fold((0, 0), |(b, r), (_, batch)| {
-        (b + batch.carried_len() as u64, r + batch.len() as u64)
-    });
-    let (_, _, _, merger, kind) = plan;
-    // Checked before the step is finished, as `finish_step_raw_and_decode`
-    // does: a bad name must not cost the step's events.
-    let kind = kind
-        .as_deref()
-        .map(|k| kind_arg(k, "_merge_children"))
-        .transpose()?;
-    let small = |m: &Merger| {
-        let (bytes, reports) = m.load();
-        is_small(bytes + incoming.0, reports + incoming.1)
-    };
-    let finished = merger.get().run(py, small, |m| {
-        Ok(m.add_all(batches).map(|()| m.finish_step_published()))
-    })?;
-    let Ok(published) = finished else {
-        return Ok(None);
-    };
-    match raw_and_decoded(py, &published, kind) {
-        Ok((raws, decoded)) => Ok(Some(
-            PyTuple::new(py, [raws.into_any(), decoded])?.into_any(),
-        )),
-        // Merged, but the hook's events do not decode (a forged removal):
-        // the step's output is lost, which the caller counts and logs. On
-        // vLLM's step path, not an exception.
-        Err(e) if e.is_instance_of::<KVMergeError>(py) => {
-            Ok(Some(e.into_value(py).into_bound(py).into_any()))
-        }
-        Err(e) => Err(e),
     }
-}
 
-// The connector's step for its children in the common case; docs in
-// _kvmerge.pyi. Never raises for what the outputs hold: whatever is not of
-// the common shape is the caller's to handle.
-#[pyfunction]
-pub fn _merge_children<'py>(
-    py: Python<'py>,
-    outputs: Vec<Bound<'py, PyAny>>,
-    plans: Vec<Option<Plan<'py>>>,
-) -> PyResult<Bound<'py, PyList>> {
-    let outputs = outputs.iter().map(Output::read).collect::<Option<Vec<_>>>();
-    merge_planned(py, outputs.as_deref(), &plans)
-}
-
-/// Each plan's child merged from `outputs` (`merge_child`). For a plan
-/// that is None (the children's plans are in child order), False when no
-/// output holds anything for its child, else None; None for every plan when
-/// the outputs are not all readable.
-fn merge_planned<'py>(
-    py: Python<'py>,
-    outputs: Option<&[Output<'py>]>,
-    plans: &[Option<Plan<'py>>],
-) -> PyResult<Bound<'py, PyList>> {
-    static EMPTY: OnceLock<Arc<Batch>> = OnceLock::new();
-    let empty = EMPTY.get_or_init(|| Arc::new(Batch::empty()));
-    let results = plans
-        .iter()
-        .enumerate()
-        .map(|(index, plan)| match (plan, outputs) {
-            (Some(plan), Some(outputs)) => merge_child(py, outputs, plan, empty),
-            (None, Some(outputs)) if outputs.iter().all(|o| o.holds_nothing(index)) => {
-                Ok(Some(PyBool::new(py, false).to_owned().into_any()))
+    fn step(&mut self, py: Python<'_>, outputs: Vec<Bound<'_, PyAny>>) -> PyResult<PyStepResult> {
+        let mut refused: Vec<Refused> = Vec::new();
+        let mut misconfigured = self.misconfigured.clone();
+        let mut accepted: Vec<Accepted<'_>> = Vec::with_capacity(outputs.len());
+        let mut gaps = Vec::new();
+        let mut seqs: Vec<(i64, i64)> = Vec::with_capacity(outputs.len());
+        for item in &outputs {
+            let seen: Vec<i64> = accepted.iter().map(|a| a.rank).collect();
+            match self.check_output(item, &seen, &mut misconfigured)? {
+                Err(r) => refused.push(r),
+                Ok(a) => {
+                    let seq = a.read.header.seq;
+                    if let Some(&last) = self.last_seq.get(&a.rank) {
+                        if seq > last.saturating_add(1) {
+                            gaps.push((a.rank, last + 1, seq - 1));
+                        }
+                    }
+                    seqs.push((a.rank, seq));
+                    accepted.push(a);
+                }
             }
-            _ => Ok(None),
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    PyList::new(py, results)
-}
-
-/// `_merge_common_step`'s result: the outputs in rank order, their ranks,
-/// and each plan's child merged.
-type CommonStep<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>);
-
-// The connector's whole step in the common case; docs in _kvmerge.pyi. The
-// outputs arrive unchecked: when one is not of the common shape nothing is
-// changed and None tells the caller to check and merge them itself.
-#[pyfunction]
-pub fn _merge_common_step<'py>(
-    py: Python<'py>,
-    outputs: Vec<Bound<'py, PyAny>>,
-    plans: Vec<Option<Plan<'py>>>,
-    output_type: Bound<'py, PyType>,
-    last_seq: Bound<'py, PyDict>,
-    misconfigured: Bound<'py, PySet>,
-) -> PyResult<Option<CommonStep<'py>>> {
-    let mut common: Vec<Common<'py>> = Vec::with_capacity(outputs.len());
-    for output in &outputs {
-        let Some(read) = Common::read(output, &output_type, plans.len()) else {
-            return Ok(None);
-        };
-        let again = common.iter().any(|c| c.fields.rank == read.fields.rank);
-        if again || !read.is_next(&last_seq, &misconfigured) {
-            return Ok(None);
         }
-        common.push(read);
+        // Nothing changed before here: a start-up ConfigError leaves all as it was.
+        self.misconfigured = misconfigured;
+        self.last_seq.extend(seqs);
+        accepted.sort_by_key(|a| a.rank);
+        let expired_before = self.expired();
+        let n = self.children.len();
+        let ranks: Vec<i64> = accepted.iter().map(|a| a.rank).collect();
+        let mut events: Vec<Option<Py<PyAny>>> = Vec::with_capacity(n);
+        let mut removed: Vec<Option<Py<PyAny>>> = Vec::with_capacity(n);
+        let mut natives_of: Vec<Option<Py<PyList>>> = Vec::with_capacity(n);
+        let mut lost = Vec::with_capacity(n);
+        let mut started = Vec::new();
+        for index in 0..n {
+            let mut adds = Vec::with_capacity(accepted.len());
+            let mut natives = Vec::new();
+            for a in &accepted {
+                match self.take_part(py, index, a, &mut natives) {
+                    Ok((batch, made)) => {
+                        if made {
+                            started.push(index);
+                        }
+                        adds.push((a.rank, batch));
+                    }
+                    Err((kind, detail)) => {
+                        refused.push(Refused {
+                            kind,
+                            rank: Some(a.rank),
+                            child: Some(index),
+                            detail,
+                        });
+                        adds.push((a.rank, empty()));
+                    }
+                }
+            }
+            if self.children[index].mode == Some(Mode::Native) {
+                natives_of.push(Some(PyList::new(py, natives)?.unbind()));
+                events.push(None);
+                removed.push(None);
+                lost.push(None);
+                continue;
+            }
+            natives_of.push(None);
+            let child = self.merge_child(py, index, adds, &mut refused)?;
+            events.push(child.events);
+            removed.push(child.removed);
+            lost.push(child.lost);
+        }
+        let expired = self.expired() - expired_before;
+        let refusals = refused
+            .into_iter()
+            .map(|r| {
+                Py::new(
+                    py,
+                    PyRefusal {
+                        kind: r.kind.name(),
+                        rank: r.rank,
+                        child: r.child,
+                        detail: r.detail,
+                    },
+                )
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        self.steps += 1;
+        Ok(PyStepResult {
+            ranks,
+            events: PyList::new(py, events)?.unbind(),
+            removed: PyList::new(py, removed)?.unbind(),
+            natives: PyList::new(py, natives_of)?.unbind(),
+            lost,
+            refusals: PyList::new(py, refusals)?.unbind(),
+            gaps,
+            expired,
+            started,
+        })
     }
-    for c in &common {
-        last_seq.set_item(&c.rank, &c.seq)?;
+
+    fn stats(&self) -> Vec<Option<PyMergerStats>> {
+        self.children
+            .iter()
+            .map(|c| c.merger.as_ref().map(|m| PyMergerStats::from(m.stats())))
+            .collect()
     }
-    common.sort_by_key(|c| c.fields.rank);
-    let ordered = PyList::new(py, common.iter().map(|c| &c.output))?;
-    let ranks = PyList::new(py, common.iter().map(|c| &c.rank))?;
-    let fields: Vec<Output<'py>> = common.into_iter().map(|c| c.fields).collect();
-    Ok(Some((
-        ordered,
-        ranks,
-        merge_planned(py, Some(&fields), &plans)?,
-    )))
+
+    fn describe(&self, index: usize) -> Option<String> {
+        let child = self.children.get(index)?;
+        let merger = child.merger.as_ref()?;
+        Some(format!(
+            "rule '{}', replication factors {} (from {}), world size {}, max_pending_steps {}",
+            child.merger_rule.map_or("?", Rule::name),
+            py_opt_factors(child.merger_factors.as_deref()),
+            if child.factors_from.is_empty() {
+                "none"
+            } else {
+                &child.factors_from
+            },
+            merger.config().carriers.world_size,
+            merger.config().max_pending_steps
+        ))
+    }
+
+    fn reset(&mut self) {
+        for merger in self.children.iter_mut().filter_map(|c| c.merger.as_mut()) {
+            merger.reset();
+        }
+    }
 }
 
-// The expired counters of these mergers, summed; docs in _kvmerge.pyi.
+/// Every refusal kind, `(name, meaning)`, in declaration order.
 #[pyfunction]
-pub fn _expired(mergers: Vec<Option<Bound<'_, PyMerger>>>) -> u64 {
-    mergers
-        .iter()
-        .flatten()
-        .map(|m| m.get().stats_now().expired)
-        .sum()
+pub fn _refusal_kinds() -> Vec<(&'static str, &'static str)> {
+    Kind::ALL.iter().map(|k| (k.name(), k.doc())).collect()
 }
