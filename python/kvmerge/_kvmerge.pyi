@@ -36,6 +36,8 @@ _Event = BlockStored | BlockRemoved | AllBlocksCleared
 _Rule = Literal["all", "quorum", "any"]
 _EventClass = Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"]
 
+# The exceptions' docstrings are written here only: the extension's build
+# (rust/kvmerge-py/build.rs) gives them to the classes it makes at run time.
 class KVMergeError(Exception):
     """Base of every error kvmerge raises."""
 

@@ -1,84 +1,71 @@
 //! One exception hierarchy, and the single place where core errors become
-//! Python exceptions. The classes' docstrings are _kvmerge.pyi's, word for
-//! word (exceptions made at run time need theirs here too).
+//! Python exceptions. Each class is listed once, in `exceptions!` below; its
+//! docstring is written once, in `_kvmerge.pyi`, which `build.rs` reads.
 
 use kvmerge_core::Error;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-create_exception!(
-    kvmerge,
-    KVMergeError,
-    PyException,
-    "Base of every error kvmerge raises."
-);
+// `pyi_doc!(Class)`: the stub's docstring of `Class`.
+include!(concat!(env!("OUT_DIR"), "/pyi_docs.rs"));
 
-/// Declares `$name(KVMergeError, $std)`: catchable as either.
-macro_rules! subclass {
-    ($fn_name:ident, $name:literal, $std:ty, $doc:literal) => {
-        pub fn $fn_name(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-            static CELL: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> =
-                pyo3::sync::PyOnceLock::new();
-            let ty = CELL.get_or_try_init(py, || -> PyResult<_> {
-                let bases = (py.get_type::<KVMergeError>(), py.get_type::<$std>());
-                let ns = pyo3::types::PyDict::new(py);
-                ns.set_item("__doc__", $doc)?;
-                ns.set_item("__module__", "kvmerge")?;
-                let ty = py
-                    .get_type::<pyo3::types::PyType>()
-                    .call1(($name, bases, ns))?
-                    .cast_into::<pyo3::types::PyType>()?;
-                Ok(ty.unbind())
-            })?;
-            Ok(ty.bind(py).clone().into_any())
+create_exception!(kvmerge, KVMergeError, PyException, pyi_doc!(KVMergeError));
+
+/// The exceptions besides `KVMergeError`, each `Class(KVMergeError, std)`
+/// (catchable as either) and raised for the core errors its patterns match;
+/// one without patterns is raised by the binding alone. Also makes `add_to`,
+/// which adds the whole hierarchy to the module, and the core errors'
+/// mapping, whose match fails to compile if a core error is left out.
+macro_rules! exceptions {
+    ($($fn_name:ident: $name:ident($std:ty) <= [$($core:pat)?];)*) => {
+        $(
+            pub fn $fn_name(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+                static CELL: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> =
+                    pyo3::sync::PyOnceLock::new();
+                let ty = CELL.get_or_try_init(py, || -> PyResult<_> {
+                    let bases = (py.get_type::<KVMergeError>(), py.get_type::<$std>());
+                    let ns = pyo3::types::PyDict::new(py);
+                    ns.set_item("__doc__", pyi_doc!($name))?;
+                    ns.set_item("__module__", "kvmerge")?;
+                    let ty = py
+                        .get_type::<pyo3::types::PyType>()
+                        .call1((stringify!($name), bases, ns))?
+                        .cast_into::<pyo3::types::PyType>()?;
+                    Ok(ty.unbind())
+                })?;
+                Ok(ty.bind(py).clone().into_any())
+            }
+        )*
+
+        /// Adds `KVMergeError` and every class above to the module.
+        pub fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
+            let py = m.py();
+            m.add("KVMergeError", py.get_type::<KVMergeError>())?;
+            $(m.add(stringify!($name), $fn_name(py)?)?;)*
+            Ok(())
+        }
+
+        /// The class a core error is raised as.
+        fn class_of<'py>(py: Python<'py>, e: &Error) -> PyResult<Bound<'py, PyAny>> {
+            match e {
+                $($($core => $fn_name(py),)?)*
+            }
         }
     };
 }
 
-subclass!(
-    corrupt_batch_error,
-    "CorruptBatchError",
-    PyValueError,
-    "A batch buffer is truncated, corrupted or not a kvmerge batch."
-);
-subclass!(
-    invalid_event_error,
-    "InvalidEventError",
-    PyTypeError,
-    "`encode` got something that is not a vLLM KV cache event of a known shape."
-);
-subclass!(
-    config_error,
-    "ConfigError",
-    PyValueError,
-    "A `Merger` setting is invalid."
-);
-subclass!(
-    rank_error,
-    "RankError",
-    PyValueError,
-    "A rank outside the world, or a rank added twice in one step."
-);
-subclass!(
-    incomplete_batch_error,
-    "IncompleteBatchError",
-    PyValueError,
-    "A batch that does not carry all of its events' bytes (other ranks carry them): it can be merged, not read."
-);
-subclass!(
-    group_error,
-    "GroupError",
-    PyValueError,
-    "A `BlockStored.group_idx` without a replication factor (rule \"quorum\")."
-);
-
-subclass!(
-    capacity_error,
-    "CapacityError",
-    PyValueError,
-    "A batch the merger cannot take: with it, one step's merged output could exceed a batch's 4 GiB limit (`Merger.add`; drop the batch)."
-);
+exceptions! {
+    corrupt_batch_error: CorruptBatchError(PyValueError) <= [Error::CorruptBatch(_)];
+    invalid_event_error: InvalidEventError(PyTypeError)
+        <= [Error::InvalidEvent { .. } | Error::InvalidPayload(_)];
+    config_error: ConfigError(PyValueError) <= [Error::Config(_)];
+    rank_error: RankError(PyValueError)
+        <= [Error::RankOutOfRange { .. } | Error::DuplicateRank { .. }];
+    group_error: GroupError(PyValueError) <= [Error::GroupOutOfRange { .. }];
+    incomplete_batch_error: IncompleteBatchError(PyValueError) <= [];
+    capacity_error: CapacityError(PyValueError) <= [Error::TooLarge(_)];
+}
 
 /// A core error on its way to Python (polars' `PyPolarsErr` pattern).
 pub struct PyKvError(pub Error);
@@ -99,18 +86,7 @@ fn raise(class: PyResult<Bound<'_, PyAny>>, message: String) -> PyErr {
 
 impl From<PyKvError> for PyErr {
     fn from(e: PyKvError) -> PyErr {
-        Python::attach(|py| {
-            let message = e.0.to_string();
-            let class = match e.0 {
-                Error::CorruptBatch(_) => corrupt_batch_error(py),
-                Error::InvalidEvent { .. } | Error::InvalidPayload(_) => invalid_event_error(py),
-                Error::Config(_) => config_error(py),
-                Error::RankOutOfRange { .. } | Error::DuplicateRank { .. } => rank_error(py),
-                Error::GroupOutOfRange { .. } => group_error(py),
-                Error::TooLarge(_) => capacity_error(py),
-            };
-            raise(class, message)
-        })
+        Python::attach(|py| raise(class_of(py, &e.0), e.0.to_string()))
     }
 }
 

@@ -37,21 +37,13 @@ const ALLOCATOR: &str = if cfg!(feature = "mimalloc") {
 
 #[pymodule]
 fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
     // Not `add`: that would list it in `__all__`.
     m.setattr("__version__", env!("CARGO_PKG_VERSION"))?;
     // Which allocator this build uses: checked by the tests and the release
     // wheel's checks (a build without the default features falls back to
     // the system's).
     m.setattr("_allocator", ALLOCATOR)?;
-    m.add("KVMergeError", py.get_type::<errors::KVMergeError>())?;
-    m.add("CorruptBatchError", errors::corrupt_batch_error(py)?)?;
-    m.add("InvalidEventError", errors::invalid_event_error(py)?)?;
-    m.add("ConfigError", errors::config_error(py)?)?;
-    m.add("RankError", errors::rank_error(py)?)?;
-    m.add("GroupError", errors::group_error(py)?)?;
-    m.add("IncompleteBatchError", errors::incomplete_batch_error(py)?)?;
-    m.add("CapacityError", errors::capacity_error(py)?)?;
+    errors::add_to(m)?;
     m.add_class::<batch::PyEventBatch>()?;
     m.add_class::<merger::PyMerger>()?;
     m.add_class::<merger::PyMergerStats>()?;
