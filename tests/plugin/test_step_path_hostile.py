@@ -2,127 +2,145 @@
 
 vLLM treats an exception in ``update_connector_output`` / ``take_events`` as
 fatal to the engine. Hypothesis builds worker outputs as a damaged message or
-another kvmerge could deliver them (through ``_from_wire`` or
-``_events_from_packed``, as unpickling does: any field of any type, damaged
-batches, foreign containers, odd settings, damaged or random packed buffers) and
-hands them, beside a good output of the other rank, to the real scheduler
-connector as vLLM's aggregator would. Nothing may raise, the good rank's
-events must still publish under rule "any", and every bad batch is counted.
+another kvmerge could deliver them: random bytes and damaged real buffers
+through ``WorkerOutput._from_wire`` (as unpickling does) with anything beside
+them as natives; real outputs whose header says what no worker of this
+cluster would (any rank, seq gaps, another number of children, unknown
+families, bad replication factors, refused entries, foreign containers, odd
+settings), or with one child's batch damaged; and anything at all in an
+output's place. They go, beside a good output of rank 0, to the real
+scheduler connector as vLLM's aggregator would hand them. Nothing may raise,
+rank 0's store must still publish under rule "any", and every output the
+step cannot take is counted on every child.
 """
 
 from __future__ import annotations
 
-import pickle
+import itertools
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.vllm_harness import Bus, Cluster, any_child, child, stored, worker_output
+from support.vllm_harness import Cluster, child, stored, worker_output
+from support.worker_outputs import (
+    RANK_END,
+    buffer_of,
+    cut,
+    received,
+    started_cluster,
+    with_damaged_batch,
+)
 from vllm.v1.outputs import KVConnectorOutput
 
 import kvmerge
-from kvmerge._kvmerge import _pack
+from kvmerge._kvmerge import StepResult, WorkerOutput, WorkerSettings
 from kvmerge.sim.children import ListKVEvents
 from kvmerge.vllm import KVMergeKVEvents, register
-from kvmerge.vllm.container import _events_from_packed, _from_wire
-from kvmerge.vllm.settings import WorkerSettings
+from kvmerge.vllm.settings import settings_of
 
 pytestmark = pytest.mark.vllm
 
-
-def damaged_batch() -> kvmerge.EventBatch:
-    good = kvmerge.encode([stored(5)])
-    raw = bytearray(bytes(good))
-    raw[len(raw) // 2] ^= 0xFF
-    data = pickle.dumps(good, protocol=5, buffer_callback=lambda b: False)
-    batch = pickle.loads(data, buffers=[raw])
-    assert batch.error is not None
-    return batch
-
-
+WORLD = 2
+i64 = st.integers(-(2**63), 2**63 - 1)
 anything = st.one_of(
     st.none(),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.text(max_size=8),
+    st.binary(max_size=8),
     st.lists(st.integers(), max_size=3),
+    st.tuples(st.none(), st.integers()),
     st.sampled_from(["lmcache", "umbp", "mooncake", "other", "native", "refused"]),
 )
-entries = st.one_of(
-    anything,
-    st.builds(lambda: kvmerge.encode([stored(7)])),
-    st.builds(kvmerge.EventBatch.empty),
-    st.builds(damaged_batch),
-    st.builds(lambda: KVMergeKVEvents()),
+families = st.one_of(
+    st.sampled_from(["umbp", "lmcache", "mooncake", "other", "native", "bogus"]),
+    st.text(min_size=1, max_size=8),
 )
 factors = st.one_of(
-    st.none(), st.tuples(st.integers(-2, 3)), st.lists(st.integers(0, 2)), anything
-)
-child_tuples = st.integers(0, 3).flatmap(
-    lambda n: st.tuples(
-        st.tuples(*[anything] * n),
-        st.tuples(*[entries] * n),
-        st.tuples(*[factors] * n),
-    )
-)
-worker_settings = st.one_of(
     st.none(),
-    anything,
-    st.builds(
-        WorkerSettings,
-        kvmerge_version=st.sampled_from([kvmerge.__version__, "0.0.1"]),
-        world_size=st.integers(0, 4),
-        rank=st.integers(-1, 3),
-        kv_events=st.booleans(),
-        children=st.just(()),
-    ),
+    st.tuples(st.integers(-2, 3)),
+    st.lists(i64, max_size=3).map(tuple),
+)
+natives = st.one_of(
+    st.builds(lambda: ListKVEvents([stored(3)])),
+    st.builds(KVMergeKVEvents),
+    st.sampled_from([0, b"x", 1.5]),
+)
+batches = st.one_of(
+    st.builds(lambda: kvmerge.encode([stored(7)])),
+    st.builds(kvmerge.EventBatch.empty),
+)
+entries = st.one_of(
+    st.none(),
+    st.text(max_size=20),  # the worker's reason: it could not encode
+    st.tuples(families, batches, factors),
+    natives,
+)
+worker_settings = st.builds(
+    WorkerSettings,
+    kvmerge_version=st.sampled_from([kvmerge.__version__, "0.0.1"]),
+    world_size=st.integers(0, 4),
+    rank=st.integers(-1, 3),
+    kv_events=st.booleans(),
+    children=st.just(()),
+)
+#: Real outputs with whatever a header can say (what the constructor takes).
+crafted = st.builds(
+    WorkerOutput,
+    st.one_of(st.integers(-1, WORLD), i64),
+    st.one_of(st.integers(0, 5), i64),
+    st.lists(entries, max_size=3),
+    st.one_of(st.none(), worker_settings),
+)
+#: Real outputs of rank 1 with one entry per child: the step gets as far as
+#: each child's part.
+rank_1 = st.builds(
+    WorkerOutput,
+    st.just(1),
+    st.one_of(st.integers(0, 5), i64),
+    st.lists(entries, min_size=2, max_size=2),
+    # Mostly none: differing settings refuse the whole output.
+    st.one_of(st.none(), st.none(), st.none(), worker_settings),
 )
 
 
-def _packed_output(data: bytes) -> Any:
-    """An output as it arrives packed (``_events_from_packed``), of ``data``."""
-    return _events_from_packed(data)._outputs[0]
-
-
-def _damaged_packed(rank: int, at: int, flip: bool) -> Any:
-    """A real packed output of ``rank`` (one batch per child), a byte flipped
-    or the buffer cut at ``at``."""
+def _two_batches(rank: int, seq: int) -> WorkerOutput:
     batch = kvmerge.encode([stored(7)])
-    data = bytearray(
-        _pack(rank, 1, None, ("umbp", "lmcache"), (batch, batch), (None, None)) or b""
-    )
-    at %= len(data)
-    if flip:
+    return WorkerOutput(rank, seq, [("umbp", batch, None), ("lmcache", batch, None)])
+
+
+@st.composite
+def damaged_buffers(draw: Any) -> WorkerOutput:
+    """A real output of two batches, its buffer cut, a byte flipped, bytes
+    appended, or one child's batch damaged."""
+    output = _two_batches(draw(st.sampled_from([1, 1, 0, 2])), draw(st.integers(0, 5)))
+    data = bytearray(buffer_of(output))
+    how = draw(st.sampled_from(["cut", "flip", "extend", "batch"]))
+    if how == "batch":
+        return with_damaged_batch(output, draw(st.integers(0, 1)))
+    at = draw(st.integers(0, len(data) - 1))
+    if how == "cut":
+        del data[at:]
+    elif how == "flip":
         data[at] ^= 0xFF
     else:
-        del data[at:]
-    return _packed_output(bytes(data))
+        data += draw(st.binary(min_size=1, max_size=8))
+    return received(bytes(data), draw(st.one_of(st.none(), anything)))
 
 
-packed_outputs = st.one_of(
-    st.binary(max_size=80).map(_packed_output),
-    st.builds(_damaged_packed, st.integers(0, 3), st.integers(0, 10**4), st.booleans()),
-)
-outputs = st.one_of(
-    packed_outputs,
-    st.builds(
-        lambda rank, children, seq, s: _from_wire(rank, *children, seq, s),
-        st.one_of(st.just(1), anything),
-        st.one_of(child_tuples, st.tuples(anything, anything, anything)),
-        st.one_of(st.integers(0, 5), anything),
-        worker_settings,
-    ),
-    anything,
-)
-
-
-def started_cluster(bus: Bus) -> Cluster:
-    register()
-    c = Cluster([any_child(kv_events_merge="any"), child("LMCacheChild")], bus, tp=2)
-    for r in range(2):
-        c.emit(r, 0, [stored(1)])
-    assert c.step() == [stored(1)]  # past start-up: settings checked
-    return c
+#: Each kind of output about as often as the others (drawn by ``one_of``,
+#: the plain values' branches outnumbered and outdrew the rest).
+outputs = st.sampled_from(
+    [
+        rank_1,
+        rank_1,
+        damaged_buffers(),
+        crafted,
+        st.builds(received, st.binary(max_size=80), st.one_of(anything, natives)),
+        st.builds(received, anything, anything),
+        st.one_of(anything, natives),
+    ]
+).flatmap(lambda kind: kind)
 
 
 @pytest.fixture(scope="module")
@@ -138,72 +156,246 @@ def fresh(bus):
     return started_cluster(bus)
 
 
+def refused_whole(hostile: list[Any]) -> int:
+    """How many of ``hostile`` (after rank 0's good output) the step must
+    refuse whole, on every child: what is not a readable output, and any
+    rank but 1 or a second output of rank 1."""
+    whole, rank_1 = 0, 0
+    for output in hostile:
+        if (
+            type(output) is not WorkerOutput
+            or output.damage is not None
+            or output.rank != 1
+        ):
+            whole += 1
+        else:
+            rank_1 += 1
+    return whole + max(rank_1 - 1, 0)
+
+
+_hashes = itertools.count(1000)
+
+
 @settings(max_examples=300, deadline=None)
 @given(hostile=st.lists(outputs, min_size=1, max_size=3))
 def test_no_output_makes_the_step_path_raise(cluster, hostile):
     c = cluster
-    c.emit(0, 0, [stored(9)])
+    h = next(_hashes)  # a block no earlier example stored
+    c.emit(0, 0, [stored(h)])
     c.emit(0, 1, [])
     good = worker_output(c.workers[0]).kv_connector_output.kv_cache_events
-    container = KVMergeKVEvents([*good.outputs, *hostile], num_workers=2)
-    refused_before = [child.refused for child in c.scheduler._children]
+    container = KVMergeKVEvents([*good.outputs, *hostile], num_workers=WORLD)
+    before = [child.refused for child in c.scheduler._children]
     c.scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=container))
-    published = list(c.scheduler.take_events())
-    # Rule "any": rank 0's store publishes whatever the other "rank" sent,
-    # unless one of them (a valid rank 1 output, say) carried it too.
-    assert any(b"\x09" in bytes(e) for e in published) or published == []
-    assert all(
-        child.refused >= before
-        for child, before in zip(c.scheduler._children, refused_before, strict=True)
+    published = [bytes(e) for e in c.scheduler.take_events()]
+    # Rule "any": rank 0's store publishes whatever the other "rank" sent.
+    assert bytes(kvmerge.encode([stored(h)]).raw()[0]) in published
+    whole = refused_whole(hostile)
+    for ch, b in zip(c.scheduler._children, before, strict=True):
+        assert ch.refused - b >= whole, (hostile, ch.refused - b, whole)
+    # Rank 1 agrees again (its settings as the scheduler's): a hostile
+    # output's settings leave it misconfigured, and the next examples' rank 1
+    # outputs would all be refused before anything else was checked.
+    agreeing = settings_of(c.scheduler._spec, WORLD, 1, True)
+    c.scheduler.update_connector_output(
+        KVConnectorOutput(
+            kv_cache_events=KVMergeKVEvents(
+                [WorkerOutput(1, 0, [None, None], agreeing)]
+            )
+        )
     )
+    list(c.scheduler.take_events())
     for t in c.children("scheduler"):
         t.received.clear()
 
 
 def test_a_foreign_container_is_refused_not_raised(fresh):
     cluster = fresh
-    before = cluster.scheduler._children[0].refused
+    before = [child.refused for child in cluster.scheduler._children]
     foreign = ListKVEvents([stored(3)])
     cluster.scheduler.update_connector_output(
         KVConnectorOutput(kv_cache_events=foreign)
     )
     assert list(cluster.scheduler.take_events()) == []
-    assert cluster.scheduler._children[0].refused == before + 1
+    after = [child.refused for child in cluster.scheduler._children]
+    assert after == [b + 1 for b in before]
+
+
+class _Spy:
+    """The scheduler's ``OutputMerger``, its step results kept: what each
+    refusal's kind was, on the connector's own step."""
+
+    def __init__(self, merger: Any) -> None:
+        self._merger = merger
+        self.results: list[StepResult] = []
+
+    def step(self, outputs: Any) -> StepResult:
+        result = self._merger.step(outputs)
+        self.results.append(result)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._merger, name)
+
+
+def _odd_settings(rank: int) -> WorkerSettings:
+    return WorkerSettings(kvmerge.__version__ + ".other", WORLD, rank, True, ())
+
+
+def _plain(rank: int, entries: list[Any] | None = None) -> WorkerOutput:
+    return WorkerOutput(rank, 1, [None, None] if entries is None else entries)
+
+
+def _batch() -> kvmerge.EventBatch:
+    return kvmerge.encode([stored(5)])
+
+
+#: (outputs of one step, refused per child, (kind, rank, child) per refusal,
+#: the rank the log names).
+KNOWN_BAD: dict[str, tuple[Any, tuple[int, int], list[Any], str]] = {
+    "not-an-output": (
+        lambda: ["not an output"],
+        (1, 1),
+        [("output", None, None)],
+        "?",
+    ),
+    # Where a rank of the wrong type once came: a buffer whose header ends
+    # after the rank.
+    "damaged-buffer": (
+        lambda: [cut(_two_batches(1, 1), RANK_END + 4)],
+        (1, 1),
+        [("output", 1, None)],
+        "1",
+    ),
+    "damaged-before-the-rank": (
+        lambda: [cut(_two_batches(1, 1), RANK_END - 1)],
+        (1, 1),
+        [("output", None, None)],
+        "?",
+    ),
+    "rank-7": (lambda: [_plain(7)], (1, 1), [("rank", 7, None)], "7"),
+    "one-child": (lambda: [_plain(1, [None])], (1, 1), [("children", 1, None)], "1"),
+    # Where a str payload in child 0 once came: its batch damaged in transit.
+    "damaged-batch": (
+        lambda: [with_damaged_batch(_two_batches(1, 1), 0)],
+        (1, 0),
+        [("batch", 1, 0)],
+        "1",
+    ),
+    "bogus-family": (
+        lambda: [_plain(1, [("bogus", _batch(), None), None])],
+        (1, 0),
+        [("family", 1, 0)],
+        "1",
+    ),
+    # Where a bad entry in child 1 once came: a native "container" that is no
+    # KVConnectorKVEvents.
+    "child-1": (
+        lambda: [_plain(1, [None, b"b"])],
+        (0, 1),
+        [("native", 1, 1)],
+        "1",
+    ),
+    "duplicate-rank": (
+        lambda: [_plain(1), _plain(1)],
+        (1, 1),
+        [("duplicate", 1, None)],
+        "1",
+    ),
+    "odd-settings": (
+        lambda: [WorkerOutput(1, 1, [None, None], _odd_settings(1))],
+        (1, 1),
+        [("settings", 1, None)],
+        "1",
+    ),
+    "misconfigured": (
+        lambda: [WorkerOutput(1, 1, [None, None], _odd_settings(1)), _plain(1)],
+        (2, 2),
+        [("settings", 1, None), ("misconfigured", 1, None)],
+        "1",
+    ),
+    "refused-entry": (
+        lambda: [_plain(1, [None, "could not encode"])],
+        (0, 1),
+        [("encode", 1, 1)],
+        "1",
+    ),
+    "zero-factor": (
+        lambda: [_plain(1, [("umbp", _batch(), (0,)), None])],
+        (1, 0),
+        [("factors", 1, 0)],
+        "1",
+    ),
+    "negative-factor": (
+        lambda: [_plain(1, [("umbp", _batch(), (-1,)), None])],
+        (1, 0),
+        [("factors", 1, 0)],
+        "1",
+    ),
+    # Child 0 took batches before: a container where batches came is refused.
+    "native-for-a-merged-child": (
+        lambda: [_plain(1, [ListKVEvents([stored(3)]), None])],
+        (1, 0),
+        [("family", 1, 0)],
+        "1",
+    ),
+}
 
 
 @pytest.mark.parametrize(
-    ("bad", "children_refused"),
-    [
-        ("not an output", (1, 1)),
-        (_from_wire("1", (None, None), (None, None), (None, None), 1, None), (1, 1)),
-        (_from_wire(7, (None, None), (None, None), (None, None), 1, None), (1, 1)),
-        (_from_wire(1, (None,), (None,), (None,), 1, None), (1, 1)),
-        (_from_wire(1, ("umbp", None), ("x", None), (None, None), 1, None), (1, 0)),
-        (_from_wire(1, ("bogus", None), (None, None), (None, None), 1, None), (1, 0)),
-        (_from_wire(1, (None, "lmcache"), (None, "b"), (None, None), 1, None), (0, 1)),
-    ],
-    ids=[
-        "not-an-output",
-        "str-rank",
-        "rank-7",
-        "one-child",
-        "str-payload",
-        "bogus-kind",
-        "child-1",
-    ],
+    ("make", "children_refused", "kinds", "rank"),
+    KNOWN_BAD.values(),
+    ids=KNOWN_BAD.keys(),
 )
 def test_known_bad_outputs_are_each_counted_once_per_child(
-    fresh, bad, children_refused
+    fresh, vllm_caplog, make, children_refused, kinds, rank
 ):
     """The property above cannot pass by refusing nothing: these outputs are
-    refused on exactly the children they spoil."""
+    refused on exactly the children they spoil, for the reason given, and
+    the log names the rank."""
     cluster = fresh
+    spy = cluster.scheduler._merger = _Spy(cluster.scheduler._merger)
     children = cluster.scheduler._children
     before = [child.refused for child in children]
-    container = KVMergeKVEvents([bad], num_workers=1)
+    container = KVMergeKVEvents(make(), num_workers=1)
+    vllm_caplog.clear()
     cluster.scheduler.update_connector_output(
         KVConnectorOutput(kv_cache_events=container)
     )
     list(cluster.scheduler.take_events())
     refused = tuple(c.refused - b for c, b in zip(children, before, strict=True))
     assert refused == children_refused
+    (result,) = spy.results
+    assert [(r.kind, r.rank, r.child) for r in result.refusals] == kinds
+    warnings = [r.getMessage() for r in vllm_caplog.records if r.levelname == "WARNING"]
+    # An unknown rank is written "?" (quoted or not).
+    named = f"dropped rank {rank}'s batch" if rank != "?" else "dropped rank '?'"
+    assert any(named in w.replace("rank ?", "rank '?'") for w in warnings), warnings
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="kvmerge.vllm.native.combine_native raises for containers of two types",
+)
+def test_a_native_container_of_another_type_is_refused_not_raised(bus):
+    """A native child's containers are combined with the child's own
+    methods: one of another ``KVConnectorKVEvents`` class than rank 0's
+    must cost only itself."""
+    register()
+    c = Cluster([child("ThirdPartyConnector")], bus, tp=WORLD)
+    for r in range(WORLD):
+        c.emit(r, 0, [stored(1)])
+    c.step()
+    c.emit(0, 0, [stored(2)])
+    good = worker_output(c.workers[0]).kv_connector_output.kv_cache_events
+    other = WorkerOutput(1, 1, [KVMergeKVEvents()])
+    (native,) = c.scheduler._children
+    before = native.refused
+    c.scheduler.update_connector_output(
+        KVConnectorOutput(
+            kv_cache_events=KVMergeKVEvents([*good.outputs, other], num_workers=WORLD)
+        )
+    )
+    list(c.scheduler.take_events())
+    assert native.refused == before + 1
