@@ -237,8 +237,8 @@ class WorkerSettings:
         """Each setting in which `worker`'s (from an output of `rank`)
         differs from these: `"setting: worker ..., scheduler ..."`."""
 
-    def __eq__(self, other: object) -> bool: ...
-    def __hash__(self) -> int: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    __hash__: None  # type: ignore[assignment]
 
 #: What a worker sends for one child: nothing (None), why it could not
 #: encode the child's events (str), its encoded batch with the child's family
@@ -265,16 +265,16 @@ class WorkerOutput:
 
     @staticmethod
     def _from_wire(
-        buffer: object = None, natives: object = None, /, *rest: object
+        buffer: object = None, natives: object = None, *_rest: object
     ) -> WorkerOutput:
         """The pickle reconstructor; never raises: a damaged buffer makes an
         output whose `damage` says why."""
 
-    def _wire(self, protocol: int, /) -> tuple[Any, Any]:
+    def _wire(self, protocol: int) -> tuple[Any, Any]:
         """What `_from_wire` takes: the buffer (a `PickleBuffer` from
         protocol 5) and the natives."""
 
-    def __reduce_ex__(self, protocol: int, /) -> tuple[Any, ...]: ...
+    def __reduce_ex__(self, protocol: Any, /) -> tuple[Any, ...]: ...
     @property
     def rank(self) -> int | None:
         """None for a damaged buffer whose header ends before it."""
@@ -361,6 +361,7 @@ class StepResult:
     def started(self) -> list[int]:
         """The children whose merger this step made (from a first batch)."""
 
+@final
 class OutputMerger:
     """`KVMergeMultiConnector`'s scheduler step: every check of the workers'
     outputs and of each child's part of them, and every merge, in one call.

@@ -372,9 +372,6 @@ def test_the_longest_that_fits_is_taken():
     assert fields(output)["factors"] == (tuple(range(1, 256)),)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the factors getter gives lists (output.rs), the stub tuples"
-)
 def test_factors_come_back_as_tuples():
     assert WorkerOutput(0, 0, [("lmcache", BATCH, (1, 2))]).factors == ((1, 2),)
 

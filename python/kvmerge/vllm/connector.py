@@ -358,7 +358,7 @@ class KVMergeMultiConnector(MultiConnector):
         result: StepResult = self._merger.step(outputs)
         children, refusals = self._children, self._refusals
         for refusal in result.refusals:
-            rank = "?" if refusal.rank is None else refusal.rank
+            rank = refusal.rank
             if refusal.kind == "settings":
                 logger.error(
                     "KVMergeMultiConnector: rank %s's settings differ from the "
@@ -396,7 +396,7 @@ class KVMergeMultiConnector(MultiConnector):
             if lost is not None:
                 refusals.lost(child, *lost)
             if natives is not None:
-                native.append(combine_native(child.spec.label, natives))
+                native.append(combine_native(natives))
                 continue
             native.append(None)
             if events:
@@ -421,7 +421,7 @@ class KVMergeMultiConnector(MultiConnector):
             # Some other connector's container: no worker of ours made it.
             self._refusals.refuse_output(
                 self._children,
-                "?",
+                None,
                 f"the aggregated events are a {type(events).__name__}, not the "
                 "workers' KVMergeKVEvents",
             )

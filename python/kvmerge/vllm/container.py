@@ -55,11 +55,11 @@ def decode(output: WorkerOutput, peers: Sequence[WorkerOutput] = ()) -> list[Any
             events.extend(entry.get_all_events())
             continue
         if entry.uncarried:
-            sources = []
+            sources: list[EventBatch] = []
             for peer in peers:
-                theirs = peer.entries
-                if i < len(theirs) and isinstance(theirs[i], EventBatch):
-                    sources.append(theirs[i])
+                theirs = peer.entries[i] if i < len(peer.entries) else None
+                if isinstance(theirs, EventBatch):
+                    sources.append(theirs)
             entry = entry.filled(sources)
         events.extend(entry.decode())
     return events

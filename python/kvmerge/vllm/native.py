@@ -17,20 +17,16 @@ from vllm.distributed.kv_events import KVConnectorKVEvents
 
 
 def combine_native(
-    label: str, containers: Iterable[KVConnectorKVEvents | None]
+    containers: Iterable[KVConnectorKVEvents],
 ) -> KVConnectorKVEvents | None:
-    """Combine per-worker containers (in rank order) like ``KVOutputAggregator``."""
+    """Combine per-worker containers (in rank order) like ``KVOutputAggregator``,
+    into the first: the step (``OutputMerger``) passed on only containers of
+    a class the first is an instance of."""
     combined: KVConnectorKVEvents | None = None
     for container in containers:
         if combined is None:
             combined = container
         elif container:
-            if not isinstance(combined, type(container)):
-                raise TypeError(
-                    f"KVMergeMultiConnector {label}: workers returned containers "
-                    f"of different types ({type(combined).__name__} and "
-                    f"{type(container).__name__})"
-                )
             combined.add_events(container.get_all_events())
             combined.increment_workers(1)
     return combined or None

@@ -13,7 +13,7 @@ accepted again.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 from .log import get_logger
 
@@ -31,15 +31,16 @@ class Child(Protocol):
 
 class Refusals:
     def __init__(self) -> None:
-        #: (child label, rank) -> [first step, count] of an open incident.
-        self._open: dict[tuple[str, int | str], list[int]] = {}
-        self._this_step: set[tuple[str, int | str]] = set()
+        #: (child label, rank or None: unknown) -> [first step, count] of an
+        #: open incident.
+        self._open: dict[tuple[str, int | None], list[int]] = {}
+        self._this_step: set[tuple[str, int | None]] = set()
         self.step = 0
 
-    def refuse(self, child: Child, rank: Any, why: str) -> None:
+    def refuse(self, child: Child, rank: int | None, why: str) -> None:
+        """One batch of ``child`` from ``rank`` (None: an output whose rank
+        is unknown) refused."""
         child.refused += 1
-        if type(rank) is not int:  # what a damaged output claims: as text
-            rank = repr(rank)[:50]
         key = (child.label, rank)
         self._this_step.add(key)
         incident = self._open.get(key)
@@ -53,11 +54,13 @@ class Refusals:
             "it; one more line when this rank's batches are accepted again)",
             child.label,
             self.step,
-            rank,
+            "?" if rank is None else rank,
             why,
         )
 
-    def refuse_output(self, children: Iterable[Child], rank: Any, why: str) -> None:
+    def refuse_output(
+        self, children: Iterable[Child], rank: int | None, why: str
+    ) -> None:
         """A worker output none of whose batches can be used."""
         for child in children:
             self.refuse(child, rank, why)
@@ -84,7 +87,7 @@ class Refusals:
                 "%s: rank %s's batches are accepted again at step %d: %d refused "
                 "since step %d",
                 key[0],
-                key[1],
+                "?" if key[1] is None else key[1],
                 self.step,
                 count,
                 start,

@@ -234,11 +234,20 @@ impl PyWorkerOutput {
         let py = slf.py();
         let me = slf.get();
         let buffer = me.buffer.bind(py);
+        let Ok(read) = &me.read else {
+            // Damaged: as it came, for the next reader to refuse in turn.
+            return PyTuple::new(py, [buffer.clone(), me.natives.bind(py).clone()]);
+        };
+        // The bytes that were read: a buffer its sender can still write
+        // (a `bytearray`) was read from a copy, and the copy is what travels.
+        let buffer = if buffer.is_exact_instance_of::<PyBytes>() {
+            buffer.clone()
+        } else {
+            PyBytes::new(py, read.whole.bytes()).into_any()
+        };
         let buffer = match pickle_buffer_type(py) {
-            Some(wrap) if protocol >= OUT_OF_BAND_PROTOCOL && me.read.is_ok() => {
-                wrap.call1((buffer,))?
-            }
-            _ => buffer.clone(),
+            Some(wrap) if protocol >= OUT_OF_BAND_PROTOCOL => wrap.call1((buffer,))?,
+            _ => buffer,
         };
         PyTuple::new(py, [buffer, me.natives.bind(py).clone()])
     }
@@ -315,10 +324,17 @@ impl PyWorkerOutput {
         let Ok(read) = &self.read else {
             return Ok(PyTuple::empty(py));
         };
-        let items = read.header.parts.iter().map(|part| match part {
-            Part::Batch { factors, .. } => factors.clone(),
-            _ => None,
-        });
+        let items = read
+            .header
+            .parts
+            .iter()
+            .map(|part| match part {
+                Part::Batch {
+                    factors: Some(f), ..
+                } => Ok(PyTuple::new(py, f)?.into_any()),
+                _ => Ok(py.None().into_bound(py)),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         PyTuple::new(py, items)
     }
 

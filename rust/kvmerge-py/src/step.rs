@@ -63,7 +63,7 @@ refusal_kinds! {
     Misconfigured => "misconfigured", "An output of a rank whose settings differed.";
     Children => "children", "Another number of children than the scheduler's.";
     Encode => "encode", "The worker could not encode the child's events.";
-    Native => "native", "A native child's container is not a KVConnectorKVEvents.";
+    Native => "native", "A native child's container that is no KVConnectorKVEvents, or not of the other ranks' class.";
     Family => "family", "A container family, or mode, this child cannot take.";
     Factors => "factors", "Replication factors that are missing, invalid or disagree.";
     Batch => "batch", "A batch that does not read (damaged in transit).";
@@ -488,9 +488,10 @@ impl PyOutputMerger {
                 ))
             }
             Part::Native => {
+                let native_type = self.native_type.bind(py);
                 let container = a.output.native(py, index);
                 let Some(container) =
-                    container.filter(|c| c.is_instance(self.native_type.bind(py)).unwrap_or(false))
+                    container.filter(|c| c.is_instance(native_type).unwrap_or(false))
                 else {
                     let found = a
                         .output
@@ -501,6 +502,22 @@ impl PyOutputMerger {
                         format!("a native child's container is a {found}"),
                     ));
                 };
+                // The child combines the step's containers into the first
+                // one (`kvmerge.vllm.native`), as vLLM's aggregator does:
+                // each must be of a class the first is an instance of.
+                if let Some(first) = natives.first() {
+                    let first = first.bind(py);
+                    if !first.is_instance(&container.get_type()).unwrap_or(false) {
+                        return Err((
+                            Kind::Native,
+                            format!(
+                                "a {} container, where other ranks sent {} containers",
+                                type_name(&container),
+                                type_name(first)
+                            ),
+                        ));
+                    }
+                }
                 child.resolve(None, None, families, keys, world_size, max_pending)?;
                 natives.push(container.unbind());
                 Ok((empty(), false))
