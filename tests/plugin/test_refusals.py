@@ -8,6 +8,7 @@ drift apart.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -197,3 +198,16 @@ def test_settings_that_differ_on_the_first_step_stop_the_engine():
     result = merger.step([output(0, 0), output(1, 0, settings=settings(1))])
     assert list(result.refusals) == [] and result.ranks == [0, 1]
     assert result.gaps == []
+
+
+def test_robustness_md_lists_every_refusal_kind():
+    """docs/robustness.md's table of refusal kinds is ``_refusal_kinds()``:
+    name and meaning, in declaration order."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "robustness.md").read_text()
+    table = doc.split("<!-- refusal-kinds:begin -->")[1]
+    table = table.split("<!-- refusal-kinds:end -->")[0]
+    rows = [
+        tuple(c.strip() for c in line.strip().strip("|").split("|"))[:2]
+        for line in table.strip().splitlines()[2:]
+    ]
+    assert [(k.strip("`"), m) for k, m in rows] == _refusal_kinds()

@@ -39,7 +39,6 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from kvmerge._kvmerge import WorkerOutput
 from kvmerge.sim.children import umbp_container
 from kvmerge.sim.model import (
     child_entry,
@@ -128,19 +127,6 @@ def init_tp_group(cfg: Any, rank: int, port: int) -> None:
             backend="gloo",
         )
         ps.initialize_model_parallel(tp, 1, backend="gloo")
-
-
-def damage_batch(output: WorkerOutput, index: int) -> WorkerOutput:
-    """``output`` as a message damaged in transit delivers it: one byte of
-    child ``index``'s batch flipped (its header intact), rebuilt by the
-    unpickler's own reconstructor."""
-    buffer, natives = output._wire(5)
-    raw = bytearray(memoryview(buffer))
-    batch = bytes(output.entries[index])
-    at = raw.find(batch)
-    assert at > 0, "the batch is in the buffer"
-    raw[at + len(batch) // 2] ^= 0x20
-    return WorkerOutput._from_wire(bytes(raw), natives)
 
 
 def worker_output(connector: Any, **fields: Any) -> ModelRunnerOutput:

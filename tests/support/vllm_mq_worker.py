@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .vllm_harness import child, damage_batch, stored
+from .vllm_harness import child, stored
+from .worker_outputs import with_damaged_batch
 
 TP = 2
 STEPS = 4
@@ -63,7 +64,7 @@ def damage(output: Any) -> Any:
 
     kv_out = output.kv_connector_output
     sent = kv_out.kv_cache_events.outputs[0]
-    kv_out.kv_cache_events = KVMergeKVEvents.for_worker(damage_batch(sent, 0))
+    kv_out.kv_cache_events = KVMergeKVEvents.for_worker(with_damaged_batch(sent, 0))
     return output
 
 
