@@ -21,7 +21,7 @@ from kvmerge import ConfigError
 from kvmerge._kvmerge import OutputMerger, WorkerOutput, WorkerSettings, _refusal_kinds
 from kvmerge.sim.children import ListKVEvents
 from kvmerge.vllm.config import FACTORS_KEY, MERGE_KEY
-from kvmerge.vllm.families import ENCODED, default_rule
+from kvmerge.vllm.families import implied_rules
 
 pytestmark = pytest.mark.vllm
 
@@ -39,19 +39,23 @@ def settings(rank: int, version: str = kvmerge.__version__) -> WorkerSettings:
     return WorkerSettings(version, WORLD, rank, True, CHILDREN)
 
 
-def started() -> OutputMerger:
-    """An ``OutputMerger`` as ``KVMergeMultiConnector`` builds one, past its
-    first step (each rank's first output, with its settings): child 0 took
-    UMBP batches, child 1 LMCache's."""
-    merger = OutputMerger(
+def fresh() -> OutputMerger:
+    """An ``OutputMerger`` as ``KVMergeMultiConnector`` builds one."""
+    return OutputMerger(
         WORLD,
         32,
         settings(-1),
-        {family: default_rule(family) for family in ENCODED},
+        implied_rules(),
         [(*c, False, False) for c in CHILDREN],
         KVConnectorKVEvents,
         (MERGE_KEY, FACTORS_KEY),
     )
+
+
+def started() -> OutputMerger:
+    """``fresh()`` past its first step (each rank's first output, with its
+    settings): child 0 took UMBP batches, child 1 LMCache's."""
+    merger = fresh()
     first = [output(r, 0, settings=settings(r)) for r in range(WORLD)]
     result = merger.step(first)
     assert list(result.refusals) == [] and result.ranks == [0, 1]
@@ -184,15 +188,7 @@ def test_every_kind_is_produced_by_some_case():
 def test_settings_that_differ_on_the_first_step_stop_the_engine():
     """Start-up: a misconfigured deployment fails loudly, and the step
     changes nothing (the same outputs, agreeing, are then taken)."""
-    merger = OutputMerger(
-        WORLD,
-        32,
-        settings(-1),
-        {family: default_rule(family) for family in ENCODED},
-        [(*c, False, False) for c in CHILDREN],
-        KVConnectorKVEvents,
-        (MERGE_KEY, FACTORS_KEY),
-    )
+    merger = fresh()
     with pytest.raises(ConfigError, match="rank 1's settings differ"):
         merger.step([output(0, 0), output(1, 0, settings=settings(1, "0.0.1"))])
     result = merger.step([output(0, 0), output(1, 0, settings=settings(1))])

@@ -55,10 +55,10 @@ from .config import (
 from .container import KVMergeKVEvents, WorkerOutput
 from .families import (
     BY_NAME,
-    ENCODED,
     Family,
     container_family,
     default_rule,
+    implied_rules,
 )
 from .incidents import Incidents
 from .log import get_logger
@@ -217,7 +217,7 @@ class KVMergeMultiConnector(MultiConnector):
                 spec.max_pending_steps,
                 # What every worker should believe (rank aside).
                 settings_of(spec, self._world_size, -1, self._events_enabled),
-                {family: default_rule(family) for family in ENCODED},
+                implied_rules(),
                 [
                     (
                         child.label,

@@ -236,6 +236,13 @@ def default_rule(family: Family) -> Rule | Literal["native"]:
     return info.rule if info is not None else "native"
 
 
+def implied_rules() -> dict[Family, str]:
+    """Each family a worker may encode, and the rule it implies (what the
+    scheduler's ``OutputMerger`` infers for a child whose rule is not
+    configured)."""
+    return {family: default_rule(family) for family in ENCODED}
+
+
 def _module_file_exists(module: str) -> bool:
     """Whether ``module`` is installed, found from the files of its top-level
     package without importing anything (vLLM's import takes seconds; the
