@@ -31,8 +31,6 @@ OUTPUT_KEY: Final = "kv_events_output"
 #: "native" (the child's own container and methods).
 ChildRule: TypeAlias = Literal[Rule, "native"]
 CHILD_RULES: Final[tuple[ChildRule, ...]] = (*RULES, "native")
-#: How the scheduler treats a child: merged by a ``kvmerge.Merger``, or native.
-Mode: TypeAlias = Literal["merge", "native"]
 #: What ``take_events`` yields for merged events (``kv_events_output``).
 Output: TypeAlias = Literal["raw", "objects"]
 OUTPUTS: Final[tuple[Output, ...]] = get_args(Output)

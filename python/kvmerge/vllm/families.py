@@ -36,17 +36,16 @@ from typing import Any, Final, Literal, TypeAlias
 
 from kvmerge import RULES, Rule
 
-#: A family's name, as the worker records it for each child (a plain string:
-#: it travels in every ``WorkerOutput``), or one of the tags below.
+#: A family's name, as the worker records it for each encoded child (a plain
+#: string: it travels in every ``WorkerOutput``), or one of the tags below.
 Family: TypeAlias = str
 #: An unknown container whose events were encoded because of an override.
 FAMILY_OTHER: Final = "other"
-#: The child's own container, carried as is.
+#: What the scheduler's step calls a native child's container when it
+#: compares families (``step.rs``, as the rule of that name).
 FAMILY_NATIVE: Final = "native"
-#: The worker could not encode the child's events: the entry says why.
-FAMILY_REFUSED: Final = "refused"
-#: What a worker may record for a child besides a family's name.
-TAGS: Final = (FAMILY_OTHER, FAMILY_NATIVE, FAMILY_REFUSED)
+#: Names no registered family may take.
+TAGS: Final = (FAMILY_OTHER, FAMILY_NATIVE)
 
 _V1: Final = "vllm.distributed.kv_transfer.kv_connector.v1"
 

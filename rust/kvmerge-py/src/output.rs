@@ -82,7 +82,7 @@ impl PyWorkerOutput {
         natives.get_item(i).ok().filter(|n| !n.is_none())
     }
 
-    fn from_buffer(py: Python<'_>, buffer: &Bound<'_, PyAny>, natives: Py<PyAny>) -> Self {
+    fn from_buffer(buffer: &Bound<'_, PyAny>, natives: Py<PyAny>) -> Self {
         let read = match backing_of(buffer) {
             Ok(backing) => {
                 let whole: Arc<dyn Backing> = Arc::from(backing);
@@ -94,7 +94,6 @@ impl PyWorkerOutput {
             }),
             Err(Refusal::Corrupt(why)) => Err(Damage { rank: None, why }),
         };
-        let _ = py;
         PyWorkerOutput {
             buffer: buffer.clone().unbind(),
             read,
@@ -198,7 +197,7 @@ impl PyWorkerOutput {
         } else {
             py.None()
         };
-        Ok(PyWorkerOutput::from_buffer(py, buffer.as_any(), natives))
+        Ok(PyWorkerOutput::from_buffer(buffer.as_any(), natives))
     }
 
     // The pickle reconstructor: never raises for what it is given (see the
@@ -213,7 +212,7 @@ impl PyWorkerOutput {
     ) -> Self {
         let none = py.None().into_bound(py);
         let natives = natives.unwrap_or_else(|| none.clone()).unbind();
-        PyWorkerOutput::from_buffer(py, buffer.unwrap_or(&none), natives)
+        PyWorkerOutput::from_buffer(buffer.unwrap_or(&none), natives)
     }
 
     fn __reduce_ex__<'py>(

@@ -364,13 +364,13 @@ struct Accepted<'a> {
 }
 
 impl PyOutputMerger {
-    /// The output-level checks of one output (`seen`: the ranks accepted so
-    /// far this step; `misconfigured`: this step's view of the ranks whose
-    /// settings differ). Changes nothing but those two.
+    /// The output-level checks of one output (`seen`: the rank and `seq` of
+    /// each output accepted so far this step; `misconfigured`: this step's
+    /// view of the ranks whose settings differ, the one thing it changes).
     fn check_output<'a>(
         &self,
         item: &'a Bound<'_, PyAny>,
-        seen: &[i64],
+        seen: &[(i64, i64)],
         misconfigured: &mut Vec<i64>,
     ) -> PyResult<Result<Accepted<'a>, Refused>> {
         let refuse = |kind, rank, detail| {
@@ -410,7 +410,7 @@ impl PyOutputMerger {
                 ),
             );
         }
-        if seen.contains(&rank) {
+        if seen.iter().any(|&(r, _)| r == rank) {
             return refuse(
                 Kind::Duplicate,
                 Some(rank),
@@ -464,9 +464,9 @@ impl PyOutputMerger {
     }
 
     /// Child `index`'s part of `a`: the batch to add (the empty batch for a
-    /// child that returned nothing), or None for a native container, which
-    /// goes to `natives`; or why it is refused. True in the second field
-    /// when it made the child's merger.
+    /// child that returned nothing, and for a native container, which goes
+    /// to `natives`), and whether taking it made the child's merger; or why
+    /// it is refused.
     fn take_part(
         &mut self,
         py: Python<'_>,
@@ -720,8 +720,7 @@ impl PyOutputMerger {
         let mut gaps = Vec::new();
         let mut seqs: Vec<(i64, i64)> = Vec::with_capacity(outputs.len());
         for item in &outputs {
-            let seen: Vec<i64> = accepted.iter().map(|a| a.rank).collect();
-            match self.check_output(item, &seen, &mut misconfigured)? {
+            match self.check_output(item, &seqs, &mut misconfigured)? {
                 Err(r) => refused.push(r),
                 Ok(a) => {
                     let seq = a.read.header.seq;
