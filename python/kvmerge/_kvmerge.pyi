@@ -324,6 +324,10 @@ class StepResult:
     """One step of an `OutputMerger`, per child in config order."""
 
     @property
+    def step(self) -> int:
+        """This step's number (0 for the merger's first)."""
+
+    @property
     def ranks(self) -> list[int]:
         """The ranks whose outputs were taken, ascending."""
 
@@ -389,6 +393,10 @@ class OutputMerger:
         place is refused). Never raises for what they hold, except
         `ConfigError` on the first step when a worker's settings differ
         from the scheduler's (start-up: nothing is changed)."""
+
+    @property
+    def steps(self) -> int:
+        """How many steps it has merged."""
 
     def stats(self) -> list[MergerStats | None]:
         """Per child: its merger's counters, None before it has one."""

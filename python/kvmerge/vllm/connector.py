@@ -203,7 +203,6 @@ class KVMergeMultiConnector(MultiConnector):
             self.lost_outputs = 0
             # Quiet for a whole pending window: nothing of the incident is left.
             self._incidents = Incidents(self._world_size, spec.max_pending_steps + 1)
-            self._steps = 0
             self._children = [
                 _Child(child_spec, connector)
                 for child_spec, connector in zip(
@@ -376,7 +375,7 @@ class KVMergeMultiConnector(MultiConnector):
                 "arrived (vLLM drops the KV events of an output it salvages from "
                 "a failed step); their events are lost, and the other ranks' "
                 "reports of them will expire",
-                self._steps,
+                result.step,
                 rank,
                 first,
                 last,
@@ -402,8 +401,7 @@ class KVMergeMultiConnector(MultiConnector):
             if events:
                 child.publish(events, removed)
         refusals.end_step()
-        self._incidents.observe(self._steps, result.ranks, result.expired)
-        self._steps += 1
+        self._incidents.observe(result.step, result.ranks, result.expired)
         return native
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -468,7 +466,7 @@ class KVMergeMultiConnector(MultiConnector):
                 self._merger.reset()
                 for child in self._children:
                     child.out.clear()
-                self._incidents.close(self._steps, "closed by reset_cache()")
+                self._incidents.close(self._merger.steps, "closed by reset_cache()")
 
     # ==============================
     # Stats (kvmerge.vllm.stats)

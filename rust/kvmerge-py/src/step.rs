@@ -94,6 +94,7 @@ impl PyRefusal {
 /// What one step gave, per child in config order, and its refusals.
 #[pyclass(module = "kvmerge._kvmerge", frozen, get_all, name = "StepResult")]
 pub struct PyStepResult {
+    step: u64,
     ranks: Vec<i64>,
     events: Py<PyList>,
     removed: Py<PyList>,
@@ -342,13 +343,7 @@ impl Child {
 
 /// `"{class}: {message}"` of the Python exception a core error raises.
 fn error_text(py: Python<'_>, e: Error) -> String {
-    let message = e.to_string();
-    let err = PyErr::from(PyKvError(e));
-    let class = err
-        .get_type(py)
-        .name()
-        .map_or_else(|_| "KVMergeError".to_owned(), |n| n.to_string());
-    format!("{class}: {message}")
+    py_error_text(py, &PyErr::from(PyKvError(e)))
 }
 
 fn empty() -> Arc<Batch> {
@@ -796,8 +791,10 @@ impl PyOutputMerger {
                 )
             })
             .collect::<PyResult<Vec<_>>>()?;
+        let step = self.steps;
         self.steps += 1;
         Ok(PyStepResult {
+            step,
             ranks,
             events: PyList::new(py, events)?.unbind(),
             removed: PyList::new(py, removed)?.unbind(),
@@ -808,6 +805,11 @@ impl PyOutputMerger {
             expired,
             started,
         })
+    }
+
+    #[getter]
+    fn steps(&self) -> u64 {
+        self.steps
     }
 
     fn stats(&self) -> Vec<Option<PyMergerStats>> {
