@@ -13,6 +13,8 @@
 //! | `silent/{healthy,silent}/8_ranks` | the same, or the last rank silent, so a full window (`max_pending_steps` = 32) of the others' reports is pending and one step of them expires every step | events of all ranks |
 //! | `raw/{int,bytes}` | the merged batch's output: each event's byte range (what `finish_step_raw` copies into a `bytes` per `msgspec.Raw`) | events |
 //! | `gather/{int,bytes}` | a new batch of every other event (what `finish_step()` adds to build its output batch) | events |
+//! | `guard/{off,on}/8_ranks/{1,16}_blocks` | rule "all", every rank on time, two alternating step contents of `BlockStored`s of 1 or 16 blocks (each the child of the one before) and as many `BlockRemoved`s of the other content's blocks, so every step's stream is valid; the guard off and on (docs/merge-rules.md, "Guard"), one iteration one step | events of all ranks |
+//! | `guard/{off,on}/8_ranks/growing` | as above, but every step stores 8,192 new blocks (16-block events) and removes none, emptied every 64 steps: the guard holds up to half a million blocks, as a large tier | events of all ranks |
 //!
 //! Events look like the offloading connectors' (see `kvmerge bench`): block
 //! size 16, 1-16 hashes per `BlockStored` (16 token ids per hash), 1 event in
@@ -447,6 +449,143 @@ fn stragglers(c: &mut Criterion) {
     }
 }
 
+/// A `BlockStored` of blocks `blocks` (16 token ids each), the child of
+/// `parent`, as the offloading connectors report them (the Mooncake store
+/// one block at a time).
+fn stored(blocks: std::ops::Range<u64>, parent: Option<u64>) -> Ev {
+    let mut e = vec![0x88];
+    write_str(&mut e, "type");
+    write_str(&mut e, "BlockStored");
+    write_str(&mut e, "block_hashes");
+    write_array_header(&mut e, blocks.clone().count());
+    blocks.clone().for_each(|b| hash(&mut e, Hashes::Int, b));
+    write_str(&mut e, "parent_block_hash");
+    match parent {
+        Some(p) => hash(&mut e, Hashes::Int, p),
+        None => e.push(0xc0),
+    }
+    write_str(&mut e, "token_ids");
+    write_array_header(&mut e, 16 * blocks.clone().count());
+    for b in blocks {
+        for t in 0..16 {
+            write_uint(&mut e, splitmix(b << 4 | t) % 128_256);
+        }
+    }
+    write_stored_tail(&mut e, None);
+    e
+}
+
+fn removed(blocks: std::ops::Range<u64>) -> Ev {
+    let mut e = vec![0x83];
+    write_str(&mut e, "type");
+    write_str(&mut e, "BlockRemoved");
+    write_str(&mut e, "block_hashes");
+    write_array_header(&mut e, blocks.clone().count());
+    blocks.for_each(|b| hash(&mut e, Hashes::Int, b));
+    write_str(&mut e, "medium");
+    write_str(&mut e, "CPU");
+    e
+}
+
+/// The guard's cost: `finish_step_published` of the same steps without and
+/// with it, for events of 1 and of 16 blocks. Content k removes the other
+/// content's `n / 2` events' blocks, then stores its own as one chain:
+/// after the first step nothing is withheld, so the guard reads, checks
+/// and records every published event.
+fn guard(c: &mut Criterion) {
+    let (w, n) = (8, 512);
+    let half = n as u64 / 2;
+    let cfg = MergerConfig::new(w, Rule::All);
+    let mut g = c.benchmark_group("guard");
+    g.sample_size(30);
+    g.throughput(Throughput::Elements((w * n) as u64));
+    for k in [1u64, 16] {
+        let contents: Vec<Vec<Arc<Batch>>> = (0..2u64)
+            .map(|c| {
+                let (own, other) = (c * half * k, (1 - c) * half * k);
+                let events =
+                    |first: u64| (0..half).map(move |e| first + e * k..first + (e + 1) * k);
+                let mut evs: Vec<Ev> = events(other).map(removed).collect();
+                evs.extend(
+                    events(own).map(|b| stored(b.clone(), (b.start > own).then(|| b.start - 1))),
+                );
+                let p = payload(&evs);
+                (0..w)
+                    .map(|r| {
+                        Arc::new(
+                            Batch::encode_for(&p, Some((&cfg.carriers, r))).expect("valid events"),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        for on in [false, true] {
+            let mut m = Merger::new(cfg.clone()).unwrap().with_guard(on);
+            let mut step = 0usize;
+            let mut run = |m: &mut Merger| {
+                for (r, batch) in contents[step % 2].iter().enumerate() {
+                    m.add(r as i64, batch.clone()).unwrap();
+                }
+                step += 1;
+                black_box(m.finish_step_published().len())
+            };
+            run(&mut m);
+            run(&mut m);
+            let before = m.stats().withheld();
+            assert_eq!(run(&mut m), n, "a valid stream: nothing withheld");
+            let name = if on { "on" } else { "off" };
+            g.bench_function(
+                BenchmarkId::new(format!("{name}/{w}_ranks/{k}_blocks"), n),
+                |b| b.iter(|| run(&mut m)),
+            );
+            assert_eq!(m.stats().withheld(), before, "steady state");
+        }
+    }
+    // A tier that only grows (every step stores 8,192 new blocks, in
+    // 16-block events; emptied every 64 steps): the guard's sets reach
+    // half a million blocks, so most lookups miss the cache, as in a large
+    // CPU or disk tier.
+    let steps = 64;
+    let contents: Vec<Vec<Arc<Batch>>> = (0..steps as u64)
+        .map(|c| {
+            let own = c * n as u64 * 16;
+            let evs: Vec<Ev> = (0..n as u64)
+                .map(|e| {
+                    let b = own + e * 16..own + (e + 1) * 16;
+                    stored(b.clone(), (e > 0).then(|| b.start - 1))
+                })
+                .collect();
+            let p = payload(&evs);
+            (0..w)
+                .map(|r| {
+                    Arc::new(Batch::encode_for(&p, Some((&cfg.carriers, r))).expect("valid events"))
+                })
+                .collect()
+        })
+        .collect();
+    for on in [false, true] {
+        let mut m = Merger::new(cfg.clone()).unwrap().with_guard(on);
+        let mut step = 0usize;
+        let name = if on { "on" } else { "off" };
+        g.bench_function(
+            BenchmarkId::new(format!("{name}/{w}_ranks/growing"), n),
+            |b| {
+                b.iter(|| {
+                    if step % steps == 0 {
+                        m.reset();
+                    }
+                    for (r, batch) in contents[step % steps].iter().enumerate() {
+                        m.add(r as i64, batch.clone()).unwrap();
+                    }
+                    step += 1;
+                    black_box(m.finish_step_published().len())
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
 fn raw(c: &mut Criterion) {
     let grid = grid();
     let mut g = c.benchmark_group("raw");
@@ -492,6 +631,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(2));
-    targets = encode, written, identity, decode, merge, stragglers, raw, gather
+    targets = encode, written, identity, decode, merge, stragglers, guard, raw, gather
 }
 criterion_main!(benches);

@@ -4,10 +4,14 @@ The model is ``kvmerge.testing.reference`` (a plain-Python reading of
 docs/merge-rules.md, shipped in the package): one ``ReferenceMerger`` per
 child, with the rule kvmerge gives that child (``"all"`` for LMCache,
 ``"quorum"`` with the container's replication factors for Mooncake, ``"all"``
-for the list child) and the connector's ``max_pending_steps``, fed each rank's
-events of the step (what the child's container returns from
-``get_all_events()``). Events are compared by their msgpack encoding (the
-model's identity, and exactly what a publisher sends): same events, same order.
+for the list child), the connector's ``max_pending_steps`` and its guard (the
+connector guards every child: events a router could not apply are withheld,
+docs/merge-rules.md "Guard"), fed each rank's events of the step (what the
+child's container returns from ``get_all_events()``). Both paths are compared
+with it: vLLM's own path, which has no guard, shows as ``+N`` the events it
+publishes that a router could not apply. Events are compared by their msgpack
+encoding (the model's identity, and exactly what a publisher sends): same
+events, same order.
 
 The model is naive (quadratic in a step's reports), so large steps are left
 unchecked; see ``check_limit``.
@@ -154,7 +158,11 @@ class Checker:
             rule, factors = rule_of(family)
             self.models.append(
                 reference.ReferenceMerger(
-                    self.world_size, rule, factors, DEFAULT_MAX_PENDING_STEPS
+                    self.world_size,
+                    rule,
+                    factors,
+                    DEFAULT_MAX_PENDING_STEPS,
+                    guard=True,
                 )
             )
 

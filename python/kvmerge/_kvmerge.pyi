@@ -145,6 +145,11 @@ class MergerStats:
     cleared: int
     expired: int
     pending: int
+    withheld: int
+    """Publications the guard withheld (the three below together)."""
+    withheld_orphan: int
+    withheld_duplicate: int
+    withheld_unknown: int
     def as_dict(self) -> dict[str, int]: ...
 
 @final
@@ -157,6 +162,7 @@ class Merger:
         rule: _Rule = "all",
         replication_factors: Sequence[int] | None = None,
         max_pending_steps: int = 32,
+        guard: bool = False,
     ) -> Merger: ...
     @property
     def world_size(self) -> int: ...
@@ -166,6 +172,10 @@ class Merger:
     def replication_factors(self) -> list[int] | None: ...
     @property
     def max_pending_steps(self) -> int: ...
+    @property
+    def guard(self) -> bool:
+        """Whether each published event a router cannot apply is withheld
+        and counted (docs/merge-rules.md, "Guard")."""
     @property
     def step(self) -> int:
         """The number of the step now being collected."""
@@ -196,7 +206,8 @@ class Merger:
     def finish_step_batch(self) -> EventBatch: ...
     def stats(self) -> MergerStats: ...
     def reset(self) -> None:
-        """Drop every pending report and the current step's batches (counters stay)."""
+        """Drop every pending report and the current step's batches, and
+        what the guard holds (counters stay)."""
 
 def _borrow_buffers(enter: bool) -> None:
     """Open or close a `kvmerge.borrow_buffers()` block on this thread."""
@@ -262,6 +273,19 @@ class WorkerOutput:
         """`ValueError` when a value does not fit the buffer (a family name
         or over 255 factors, a batch over 4 GiB, over 65,535 children) or a
         batch does not read; `TypeError` for an entry of another shape."""
+
+    @staticmethod
+    def for_step(
+        rank: int,
+        seq: int,
+        entries: Sequence[_Entry],
+        settings: WorkerSettings | None = None,
+    ) -> WorkerOutput:
+        """The worker's step path's form: a child's entry the constructor
+        would raise for becomes that child's refusal (`its entry cannot be
+        sent: ...`), which the scheduler counts and logs with the rank.
+        `ValueError` only for what no entry causes (over 65,535 children,
+        settings that do not fit)."""
 
     @staticmethod
     def _from_wire(
@@ -342,8 +366,9 @@ class StepResult:
         step's removals, decoded; else None."""
 
     @property
-    def natives(self) -> list[list[Any] | None]:
-        """Per native child: the workers' containers, in rank order."""
+    def natives(self) -> list[list[tuple[int, Any]] | None]:
+        """Per native child: `(rank, container)` of the workers that sent one,
+        in rank order."""
 
     @property
     def lost(self) -> list[tuple[int, str] | None]:
@@ -387,6 +412,7 @@ class OutputMerger:
         children: Sequence[tuple[str, str | None, Sequence[int] | None, bool, bool]],
         native_type: type,
         keys: tuple[str, str],
+        guard: bool = True,
     ) -> OutputMerger: ...
     def step(self, outputs: Sequence[object]) -> StepResult:
         """One step's outputs, as they arrived (anything in an output's

@@ -10,6 +10,7 @@ small settings: each imports vLLM once (its workers are forked from it).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import queue
@@ -111,10 +112,11 @@ def test_bad_options_exit_2_with_a_one_line_error(args, message):
 
 # --- a real run ------------------------------------------------------------------
 def lane_table(out: str) -> dict[str, list[int]]:
-    """connector -> [events in, out, pending, expired, cleared] (first table)."""
+    """connector -> [events in, out, pending, expired, cleared, withheld]
+    (first table)."""
     rows: dict[str, list[int]] = {}
     for line in out.splitlines():
-        m = re.match(r"(Sim\w+|total)\s+.*?((?:\s+[\d,]+){5})$", line)
+        m = re.match(r"(Sim\w+|total)\s+.*?((?:\s+[\d,]+){6})$", line)
         if m and m.group(1) not in rows:
             rows[m.group(1)] = [number(x) for x in m.group(2).split()]
     return rows
@@ -226,7 +228,13 @@ def test_demo_runs_the_pipeline_and_every_check_passes():
     # The summary table: every child, and the totals add up.
     rows = lane_table(out)
     assert set(rows) == {*CONNECTORS, "total"}, out
-    for column in range(5):
+    assert re.search(
+        r"^connector\s+rule\s+events in\s+out\s+pending\s+expired\s+cleared\s+"
+        r"withheld$",
+        out,
+        re.M,
+    ), out
+    for column in range(6):
         assert rows["total"][column] == sum(rows[c][column] for c in CONNECTORS)
     assert rows["total"][0] > rows["total"][1] > 0
     # UMBP's pool is shared (rule any): nothing waits or expires.
@@ -242,7 +250,7 @@ def test_demo_runs_the_pipeline_and_every_check_passes():
     checks = re.findall(r"^  (ok  |FAIL) (\w+):", out, re.M)
     assert checks == [
         ("ok  ", "sequence"),
-        ("ok  ", "parents"),
+        ("ok  ", "stream"),
         ("ok  ", "rules"),
         ("ok  ", "router"),
         ("ok  ", "lookups"),
@@ -271,18 +279,19 @@ def test_demo_runs_the_pipeline_and_every_check_passes():
         assert m, compare
         assert number(m.group(1)) == rows[name][1], name
     assert re.search(
-        r"^  kvmerge: [\d,]+ children's events, 0 stores published before their "
-        r"parent's; Dynamo: 0 of [\d,]+ lookups differ",
+        r"^  kvmerge: [\d,]+ children's events, 0 events a router cannot apply; "
+        r"Dynamo: 0 of [\d,]+ lookups differ",
         compare,
         re.M,
     ), compare
     m = re.search(
-        r"^  vLLM   : [\d,]+ children's events, ([\d,]+) stores published before "
-        r"their parent's; Dynamo: ([\d,]+) of",
+        r"^  vLLM   : [\d,]+ children's events, ([\d,]+) events a router cannot "
+        r"apply; Dynamo: ([\d,]+) of",
         compare,
         re.M,
     )
-    # LMCache's own rule loses the late rank's reports: children without parents.
+    # vLLM's own rules publish what a router cannot apply (LMCache's loses
+    # the late rank's reports; none of them is guarded).
     assert m and number(m.group(1)) > 0, compare
     assert len(re.findall(r"; scheduler side per step p50 [\d.]+ ms", compare)) == 2
 
@@ -410,18 +419,20 @@ def test_ctrl_c_stops_cleanly_while_starting_and_while_stepping():
     assert_all_gone(early_family)
 
     assert stepping.proc.returncode == 130, out
-    assert re.search(r"interrupted after \d+ of 20000 steps: workers stopped", out)
+    assert re.search(r"interrupted after \d+ of 20000 steps: workers stopped", out), out
     assert "Traceback" not in out
     assert_all_gone(family)
     for name in shm:
         assert not Path("/dev/shm", name).exists(), name
 
 
-def test_a_failed_check_exits_1():
+def test_without_waiting_the_guard_withholds_and_every_check_passes():
     """Without waiting (max_pending_steps 0, vLLM's same-step rule) the late
-    rank's reports expire, and children get published without their parents:
-    the subscriber's parent check sees it (the stream is still what the rules
-    publish with that setting). Also: 3 ranks, two children."""
+    rank's reports expire, and the rules publish stores whose parent was never
+    published and removals of blocks never stored: the connector's guard
+    withholds them (counted in the withheld column), so the stream stays one a
+    router can apply, and it is what the reference model of the rules (with
+    the guard) publishes. Also: 3 ranks, two children."""
     proc = kvmerge(
         "demo",
         "--steps",
@@ -436,15 +447,74 @@ def test_a_failed_check_exits_1():
         "0",
     )
     out = proc.stdout
-    assert proc.returncode == 1, out + proc.stderr[-3000:]
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
     assert "3 worker processes (TP ranks)" in out
-    assert set(lane_table(out)) == {"SimMooncake", "SimLMCache", "total"}
+    rows = lane_table(out)
+    assert set(rows) == {"SimMooncake", "SimLMCache", "total"}, out
+    for column in range(6):
+        assert rows["total"][column] == sum(
+            rows[c][column] for c in ("SimMooncake", "SimLMCache")
+        )
+    # Nothing waits: reports expire, and the guard withholds what they leave.
+    assert rows["total"][2] == 0 and rows["total"][3] > 0
+    assert rows["SimMooncake"][5] > 0 and rows["SimLMCache"][5] > 0, out
+    checks = re.findall(r"^  (ok  |FAIL) (\w+):", out, re.M)
+    assert [name for _, name in checks][:3] == ["sequence", "stream", "rules"], out
+    assert all(status == "ok  " for status, _ in checks), out
     assert re.search(
-        r"^  FAIL parents: [\d,]+ stores, [1-9][\d,]* published before", out, re.M
+        r"^  ok   stream: the children's events, a router can apply each: 0 stores "
+        r"before their parent's, 0 of a block held, 0 removals of a block not held",
+        out,
+        re.M,
+    ), out
+    assert "result: every check passed" in out
+
+
+def test_a_failed_check_exits_1(monkeypatch, capsys):
+    """The demo's own run, in this process, with the stream it read back
+    damaged after the run (one of the children's stores lost, as a dropped
+    message would lose it): the rules check sees the difference, the demo
+    says FAILED and exits 1."""
+    from vllm.distributed.kv_events import MEDIUM_GPU
+
+    from kvmerge.cli import main
+    from kvmerge.sim import run as sim_run
+
+    finish = sim_run.Run.finish
+    dropped: list[object] = []
+
+    def damaged_finish(self):
+        result = finish(self)
+        i = next(
+            i
+            for i, e in enumerate(result.stream)
+            if type(e).__name__ == "BlockStored" and e.medium not in (MEDIUM_GPU, None)
+        )
+        dropped.append(result.stream[i])
+        stream = result.stream[:i] + result.stream[i + 1 :]
+        return dataclasses.replace(result, stream=stream)
+
+    monkeypatch.setattr(sim_run.Run, "finish", damaged_finish)
+    code = main(
+        [
+            "demo",
+            "--steps",
+            "40",
+            "--workers",
+            "2",
+            "--connectors",
+            "lmcache",
+            "--router",
+            "none",
+            "--interval",
+            "0",
+            "--plain",
+            "--verbose",  # leaves this process's log levels alone
+        ]
     )
-    assert re.search(
-        r"^       e\.g\. (CPU|STORAGE): store of \d+ before its parent", out, re.M
-    )
-    assert re.search(r"^  ok   sequence:", out, re.M)
-    assert re.search(r"^  ok   rules:", out, re.M)
-    assert "result: FAILED" in out
+    out = capsys.readouterr().out
+    assert len(dropped) == 1, out
+    assert code == 1, out
+    assert re.search(r"^  ok   sequence:", out, re.M), out
+    assert re.search(r"^  FAIL rules: ", out, re.M), out
+    assert "result: FAILED (see above)" in out

@@ -20,8 +20,20 @@ from test_cli_demo import Running, assert_all_gone, descendants, kvmerge, number
 from kvmerge.cli import build_parser
 from kvmerge.cli.demo.served import command_text, counter, served_options
 
-CHECKS = ["http", "sequence", "parents", "rules", "router", "lookups", "metrics"]
-UPSTREAM_CHECKS = ["http", "sequence", "parents", "upstream"]
+CHECKS = [
+    "http",
+    "stop",
+    "resets",
+    "sequence",
+    "stream",
+    "rules",
+    "router",
+    "lookups",
+    "clears",
+    "tiers",
+    "metrics",
+]
+UPSTREAM_CHECKS = ["http", "stop", "resets", "sequence", "stream", "clears", "upstream"]
 
 
 def parse(*args: str) -> argparse.Namespace:
@@ -155,7 +167,7 @@ def test_the_server_demo_passes_every_check_and_compares(dynamo_python):
         m["child"]: [number(x) for x in m["counts"].split()]
         for m in re.finditer(
             r"^connectors\[\d\] \((?P<child>\w+)\)\s+\S+(?: \[[\d, ]+\])?"
-            r"(?P<counts>(?:\s+[\d,]+){7})$",
+            r"(?P<counts>(?:\s+[\d,]+){8})$",
             ours,
             re.M,
         )
@@ -166,6 +178,7 @@ def test_the_server_demo_passes_every_check_and_compares(dynamo_python):
         out_,
         _expired,
         _cleared,
+        _withheld,
         refused,
         replayed_in,
         replayed_out,
@@ -183,6 +196,21 @@ def test_the_server_demo_passes_every_check_and_compares(dynamo_python):
     children = table["the children's events"]
     assert number(children[0]) > 0 and children[1] == "0", theirs
     assert _checks(theirs) == [("ok  ", name) for name in UPSTREAM_CHECKS], theirs
+    # The router's view of each child's tier against the truth, after each
+    # wave, for the three runs: kvmerge's, MultiConnector's, each child's own.
+    accuracy = re.findall(
+        r"^(\d)\s+connectors\[\d\] \((\w+)\)\s+(\w+)\s+([\d,]+)"
+        r"((?:\s+\d+% \(\d+/\d+\)){3})$",
+        theirs,
+        re.M,
+    )
+    assert len(accuracy) == 3 * 2, theirs
+    for _wave, child, tier, truth, shares in accuracy:
+        assert tier == {"SimLMCache": "host_pinned", "SimMooncake": "disk"}[child]
+        ours_, upstream_, _own = re.findall(r"(\d+)% \((\d+)/(\d+)\)", shares)
+        # MultiConnector publishes none of the children's events.
+        assert upstream_[2] == "0" and (upstream_[0] == "0") == (number(truth) > 0)
+        assert int(ours_[0]) > 0
     assert out.rstrip().endswith("result: every check passed")
 
 

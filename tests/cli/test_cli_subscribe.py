@@ -66,6 +66,9 @@ def test_subscribe_help_explains_every_option():
         "--plain",
         "--interval",
         "--first-batch-timeout",
+        "--check",
+        "--json",
+        "--min-batches",
         "exit status",
     ):
         assert option in proc.stdout, option
@@ -83,6 +86,9 @@ def test_subscribe_help_explains_every_option():
             ["ipc:///tmp/x", "--first-batch-timeout", "-1"],
             "--first-batch-timeout: must be >= 0",
         ),
+        (["ipc:///tmp/x", "--json"], "--json needs --check"),
+        (["ipc:///tmp/x", "--min-batches", "2"], "--min-batches needs --check"),
+        (["ipc:///tmp/x", "--check", "--min-batches", "-1"], "must be >= 0"),
     ],
 )
 def test_bad_options_exit_2_with_a_one_line_error(args, message):
@@ -411,6 +417,127 @@ def test_a_first_batch_timeout_of_0_waits_and_a_quiet_run_still_exits_0(tmp_path
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, out + err
     assert "error:" not in err and NO_HEAVY_MODULES in err, err
+
+
+# --- --check: StreamCheck on the stream -------------------------------------------
+def stream(duplicate: bool = False) -> list:
+    """A GPU chain offloaded to CPU, a leaf evicted, a clear, stores after it;
+    with ``duplicate``, a CPU block stored again."""
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
+
+    def stored(hashes: list, parent, medium: str) -> BlockStored:
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=[1, 2] * len(hashes),
+            block_size=2,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )
+
+    events = [
+        [stored([1, 2], None, "GPU")],
+        [stored([3], 2, "GPU"), stored([b"\x00c1"], 2, "CPU")],
+        [BlockRemoved(block_hashes=[3], medium="GPU")],
+        [AllBlocksCleared(), stored([1], None, "GPU")],
+    ]
+    if duplicate:
+        events[2].append(stored([b"\x00c1"], 2, "CPU"))
+    return [KVEventBatch(ts=float(i), events=e) for i, e in enumerate(events)]
+
+
+def run_check(publisher, sent: list) -> tuple[int, list[dict], str]:
+    """``kvmerge subscribe --check --json`` (without vLLM) on a publisher that
+    sent ``sent``: the exit status, the JSON lines, stderr."""
+    from kvmerge.subscriber import EventSubscriber
+
+    pub = publisher()
+    for b in sent:
+        pub.publish(b)
+    cfg = pub.get_publisher_config()
+    probe = EventSubscriber(cfg.endpoint, replay_endpoint=cfg.replay_endpoint)
+    try:
+        wait_replayable(probe, len(sent) - 1)
+    finally:
+        probe.close()
+    proc = watched(
+        "subscribe",
+        cfg.endpoint,
+        "--replay",
+        cfg.replay_endpoint,
+        "--topic",
+        "kv",
+        "--history",
+        "--batches",
+        str(len(sent)),
+        "--duration",
+        "60",
+        "--check",
+        "--json",
+        "--min-batches",
+        "1",
+        "--interval",
+        "0.2",
+    )
+    out, err = proc.communicate(timeout=90)
+    assert NO_HEAVY_MODULES in err, err
+    return proc.returncode, [json.loads(line) for line in out.splitlines()], err
+
+
+def test_check_passes_a_valid_stream_with_exit_0(publisher):
+    rc, lines, err = run_check(publisher, stream())
+    assert rc == 0, err
+    *_, final = lines  # stdout: JSON lines alone
+    assert [line["final"] for line in lines] == [False] * (len(lines) - 1) + [True]
+    assert final["ok"] is True and final["failures"] == [], final
+    assert (final["batches"], final["events"], final["missing"]) == (4, 6, 0)
+    assert final["counts"] == {"orphan": 0, "duplicate": 0, "unknown_removal": 0}
+    assert final["violations"] == [] and final["clears"] == 1
+    assert final["ranks"] == [
+        {"dp_rank": 0, "batches": 4, "events": 6, "clears": 1, "unchecked": 0}
+    ]
+    assert re.search(r"^check ok: 4 batches \(seq 0\.\.3\), 6 events", err, re.M), err
+
+
+def test_check_fails_a_duplicate_store_with_exit_1(publisher):
+    rc, lines, err = run_check(publisher, stream(duplicate=True))
+    assert rc == 1, err
+    final = lines[-1]
+    assert final["final"] is True and final["ok"] is False
+    assert final["failures"] == ["duplicate"], final
+    (violation,) = final["violations"]
+    assert {k: violation[k] for k in ("kind", "dp_rank", "medium", "count")} == {
+        "kind": "duplicate",
+        "dp_rank": 0,
+        "medium": "CPU",
+        "count": 1,
+    }
+    (example,) = violation["examples"]
+    assert (example["seq"], example["block"]) == (2, "0x006331")
+    assert re.search(r"^check FAILED \(duplicate\)", err, re.M), err
+    assert re.search(r"^  duplicate dp 0 CPU: 1 \(seq 2 block 0x006331", err, re.M)
+
+
+def test_check_reads_vllms_own_event_objects():
+    """StreamCheck duck-types: vLLM's classes are checked as kvmerge's."""
+    from kvmerge.streamcheck import StreamCheck
+
+    check = StreamCheck(min_batches=1)
+    for seq, b in enumerate(stream(duplicate=True)):
+        check.feed(b, seq)
+    summary = check.summary(expect_last_seq=3)
+    assert summary.failures == ["duplicate"] and summary.counts["duplicate"] == 1
+    # batches(): a CPU chain, and removals of GPU blocks never stored.
+    check = StreamCheck()
+    for seq, b in enumerate(batches(5)):
+        check.feed(b, seq)
+    assert check.summary().counts == {"orphan": 0, "duplicate": 0, "unknown_removal": 5}
 
 
 # --- kvmerge.events: vLLM's structs, copied -------------------------------------

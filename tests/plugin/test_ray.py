@@ -192,7 +192,10 @@ class Expected:
     """The reference merge of a script, child by child, step by step."""
 
     def __init__(self) -> None:
-        self.refs = [ReferenceMerger(TP, rule, factors) for rule, factors in RULES]
+        # The connector guards every child's merger: so does the model.
+        self.refs = [
+            ReferenceMerger(TP, rule, factors, guard=True) for rule, factors in RULES
+        ]
 
     def step(self, per_rank: list[list[Any]]) -> list[Any]:
         events: list[Any] = []

@@ -393,3 +393,117 @@ def test_a_native_container_of_another_type_is_refused_not_raised(bus):
     )
     list(c.scheduler.take_events())
     assert native.refused == before + 1
+
+
+class _RaisingList(ListKVEvents):
+    """A third-party container whose method ``fails`` raises."""
+
+    def __init__(self, events: list[Any], fails: str | None = None) -> None:
+        super().__init__(events)
+        self.fails = fails
+
+    def _call(self, name: str) -> None:
+        if name == self.fails:
+            raise RuntimeError(f"{name} broke")
+
+    def get_all_events(self) -> list[Any]:
+        self._call("get_all_events")
+        return super().get_all_events()
+
+    def add_events(self, events: Any) -> None:
+        self._call("add_events")
+        super().add_events(events)
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._call("increment_workers")
+        super().increment_workers(count)
+
+    def __bool__(self) -> bool:
+        self._call("__bool__")
+        return True
+
+
+@pytest.mark.parametrize(
+    ("rank", "fails", "published"),
+    [
+        # Another rank's container raising costs only that rank's events.
+        (1, "get_all_events", [0]),
+        (1, "__bool__", [0]),
+        # The container the others are combined into may be half-changed:
+        # the child's step is dropped.
+        (0, "add_events", []),
+        (0, "increment_workers", []),
+        (0, "__bool__", []),
+    ],
+)
+def test_a_native_container_that_raises_is_refused_not_raised(
+    bus, vllm_caplog, rank, fails, published
+):
+    """A native child's containers are a third party's code on the step path:
+    one whose methods raise is counted and logged with its rank, and the
+    engine lives on (upstream's aggregator would raise)."""
+    register()
+    c = Cluster([child("ThirdPartyConnector", test_min_reports=1)], bus, tp=WORLD)
+    for r in range(WORLD):
+        c.emit(r, 0, [stored(9)])
+    assert c.step() == [stored(9)]
+    (native,) = c.scheduler._children
+    events = {r: stored(r + 1) for r in range(WORLD)}
+
+    def output(r: int, seq: int, fails: str | None) -> WorkerOutput:
+        return WorkerOutput(r, seq, [_RaisingList([events[r]], fails)])
+
+    before = native.refused
+    vllm_caplog.clear()
+    outputs = [output(r, 1, fails if r == rank else None) for r in range(WORLD)]
+    c.scheduler.update_connector_output(
+        KVConnectorOutput(kv_cache_events=KVMergeKVEvents(outputs, num_workers=WORLD))
+    )
+    got = bus.publish(list(c.scheduler.take_events()))
+    assert got == [events[r] for r in published]
+    assert native.refused == before + 1
+    warnings = [r.getMessage() for r in vllm_caplog.records if r.levelname == "WARNING"]
+    assert any(
+        f"dropped rank {rank}'s batch" in w and f"RuntimeError: {fails} broke" in w
+        for w in warnings
+    ), warnings
+    # The next step merges as before.
+    outputs = [output(r, 2, None) for r in range(WORLD)]
+    c.scheduler.update_connector_output(
+        KVConnectorOutput(kv_cache_events=KVMergeKVEvents(outputs, num_workers=WORLD))
+    )
+    assert bus.publish(list(c.scheduler.take_events())) == list(events.values())
+    assert native.refused == before + 1
+
+
+def test_a_worker_container_that_raises_costs_its_part_only(bus, vllm_caplog):
+    """On the worker, a child's container is a third party's code too: one
+    whose ``get_all_events`` raises on rank 1 is that child's refusal of
+    rank 1 at the scheduler, logged with the exception, and rank 0's store
+    still publishes under rule "any"."""
+    register()
+    c = Cluster([child("LMCacheChild", kv_events_merge="any")], bus, tp=WORLD)
+    (worker_child,) = c.children(1)
+    make = worker_child.make_container
+
+    def raising(events: list[Any]) -> Any:
+        container = make(events)
+
+        def get_all_events() -> list[Any]:
+            raise RuntimeError("get_all_events broke")
+
+        container.get_all_events = get_all_events
+        return container
+
+    worker_child.make_container = raising
+    (merged,) = c.scheduler._children
+    for r in range(WORLD):
+        c.emit(r, 0, [stored(r + 1)])
+    vllm_caplog.clear()
+    assert c.step() == [stored(1)]
+    assert merged.refused == 1
+    warnings = [r.getMessage() for r in vllm_caplog.records if r.levelname == "WARNING"]
+    assert any(
+        "dropped rank 1's batch" in w and "RuntimeError: get_all_events broke" in w
+        for w in warnings
+    ), warnings

@@ -122,6 +122,10 @@ def test_all_rule_counts_every_worker_of_the_config(bus, tp):
         "cleared": 0,
         "expired": 1,
         "pending": 0,
+        "withheld": 0,
+        "withheld_orphan": 0,
+        "withheld_duplicate": 0,
+        "withheld_unknown": 0,
     }
 
 
@@ -190,9 +194,16 @@ def test_duplicates_in_one_worker_do_not_stand_in_for_another(bus):
     c.emit(0, 0, [s1, s1])  # rank 0 reports s1 twice (vLLM PR #49689)
     c.emit(1, 0, [s1])
     assert c.step() == [s1]
+    # Rank 0's second report did not complete s1 a second time on its own.
+    stats = c.scheduler.merge_stats()[0]
+    assert (stats["withheld"], stats["pending"]) == (0, 1)
     c.emit(1, 0, [s1])  # now rank 1 matches rank 0's second report
-    assert c.step() == [s1]
-    assert c.scheduler.merge_stats()[0]["pending"] == 0
+    # The rule publishes s1 again; the guard withholds it (s1 is held).
+    assert c.step() == []
+    stats = c.scheduler.merge_stats()[0]
+    assert stats["pending"] == 0
+    assert (stats["withheld"], stats["withheld_duplicate"]) == (1, 1)
+    assert (stats["withheld_orphan"], stats["withheld_unknown"]) == (0, 0)
 
 
 def test_all_blocks_cleared_is_a_barrier_for_every_rank(bus):
@@ -285,19 +296,51 @@ def test_configured_factors_override_the_containers(bus):
 @pytest.mark.parametrize("output", ["raw", "objects"])
 def test_any_rule_and_the_childs_own_scheduler_events(bus, output):
     c = Cluster([any_child()], bus, tp=4, kv_events_output=output)
-    s1, s5, s77, r9 = stored(1), stored(5), stored(77), removed(9)
+    s1, s2, s5, s6, s9 = (stored(h) for h in (1, 2, 5, 6, 9))
+    s77, r1, r9 = stored(77), removed(1), removed(9)
+
+    def withheld() -> tuple[int, int, int, int]:
+        stats = c.scheduler.merge_stats()[0]
+        return (
+            stats["withheld"],
+            stats["withheld_orphan"],
+            stats["withheld_duplicate"],
+            stats["withheld_unknown"],
+        )
+
     for r in range(4):
         c.emit(r, 0, [s1, s5, r9] if r == 2 else [s1, r9])
     umbp = c.children("scheduler")[0]
     umbp.scheduler_emit([s77])  # an event UMBP's scheduler half makes itself
-    # Position order (index, then rank): s1; r9 (ranks 0, 1), s5 (rank 2).
-    assert c.step() == [s1, r9, s5, s77]
+    # The rule publishes s1, r9, s5; the guard withholds r9 (block 9 is not
+    # held), and the child's hook sees no removal.
+    assert c.step() == [s1, s5, s77]
+    assert withheld() == (1, 0, 0, 1)
+    assert umbp.connector_scheduler.invalidated == []
+    for r in range(4):
+        c.emit(r, 0, [s9])
+    assert c.step() == [s9]
+    for r in range(4):
+        c.emit(r, 0, [s2, s6, r9] if r == 2 else [s2, r9])
+    # Position order (index, then rank): s2; r9 (ranks 0, 1), s6 (rank 2).
+    assert c.step() == [s2, r9, s6]
     # The child's scheduler half saw the published removals (all that UMBP's
     # invalidate_kv_events reads), to invalidate its own pending events.
     assert umbp.connector_scheduler.invalidated == [r9]
     for r in range(4):
         c.emit(r, 0, [s1])
-    assert c.step() == [s1]  # repetitions across steps are kept
+    # Repetitions across steps are kept by the rule: s1 again, which the
+    # guard withholds (still held); once removed, it is published again.
+    assert c.step() == []
+    assert withheld() == (2, 0, 1, 1)
+    for r in range(4):
+        c.emit(r, 0, [r1])
+    assert c.step() == [r1]
+    assert umbp.connector_scheduler.invalidated == [r9, r1]
+    for r in range(4):
+        c.emit(r, 0, [s1])
+    assert c.step() == [s1]
+    assert withheld() == (2, 0, 1, 1)
 
 
 # --- children by position, native and silent children ---------------------------
@@ -594,7 +637,7 @@ def test_random_steps_match_the_reference_model(bus, name, extra, rule, factors)
     if name == "ThirdPartyConnector":
         pool.append(cleared())  # only list containers can carry it (not hashable)
     c = Cluster([child(name, **extra)], bus, tp=tp, max_pending_steps=mps)
-    model = ReferenceMerger(tp, rule, factors, mps)
+    model = ReferenceMerger(tp, rule, factors, mps, guard=True)
     for _ in range(steps):
         for r in range(tp):
             worker_child = c.workers[r].sub_connectors[0]
@@ -606,7 +649,16 @@ def test_random_steps_match_the_reference_model(bus, name, extra, rule, factors)
         assert_same_events(c.step(), model.finish_step())
     # The counters the plugin drives (one batch per rank per step, every event
     # reported); how reports end is the core's business (tests/test_merger*).
-    keys = ("steps", "batches", "reports", "published")
+    keys = (
+        "steps",
+        "batches",
+        "reports",
+        "published",
+        "withheld",
+        "withheld_orphan",
+        "withheld_duplicate",
+        "withheld_unknown",
+    )
     got = c.scheduler.merge_stats()[0]
     assert {k: got[k] for k in keys} == {k: model.stats.as_dict()[k] for k in keys}
     assert got["batches"] == steps * tp
@@ -753,7 +805,10 @@ def test_a_damaged_batch_drops_that_ranks_batch_only(bus, flip_at):
     and what is published equals the reference model without that batch."""
     tp, rule = 3, "any"
     c = Cluster([any_child(), child("LMCacheChild")], bus, tp=tp)
-    models = [ReferenceMerger(tp, rule), ReferenceMerger(tp, "all")]
+    models = [
+        ReferenceMerger(tp, rule, guard=True),
+        ReferenceMerger(tp, "all", guard=True),
+    ]
     events = [[stored(10 * r + 1), stored(99)] for r in range(tp)]
     outputs = []
     for r in range(tp):

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 from support.vllm_children import LMCacheChild
-from support.vllm_harness import Cluster, child, stored, worker_output
+from support.vllm_harness import Cluster, child, removed, stored, worker_output
 from vllm.config import ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -284,10 +284,11 @@ def test_counters_reach_prometheus_and_the_logging_line(bus, model_config, caplo
         prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
         logging_logger.record(scheduler_stats=stats, iteration_stats=None)
 
-    # Step 0: both ranks report [1, 2] on child 0 and [1] on child 1.
+    # Step 0: both ranks report [1, 2] on child 0, and on child 1 a store of
+    # 1 and a removal of 5, a block child 1 never stored: the guard withholds it.
     for r in (0, 1):
         c.emit(r, 0, [stored(1), stored(2, 1)])
-        c.emit(r, 1, [stored(1)])
+        c.emit(r, 1, [stored(1), removed(5)])
     run(0)
     # Steps 1-2: rank 1 is gone; rank 0's reports of child 0 wait, then expire.
     for step in (1, 2):
@@ -298,8 +299,20 @@ def test_counters_reach_prometheus_and_the_logging_line(bus, model_config, caplo
     child0 = "connectors[0] (StatsChild)"
     child1 = "connectors[1] (LMCacheChild)"
     expected = {
-        child0: {"reports": 6, "published": 2, "expired": 1, "cleared": 0},
-        child1: {"reports": 2, "published": 1, "expired": 0, "cleared": 0},
+        child0: {
+            "reports": 6,
+            "published": 2,
+            "expired": 1,
+            "cleared": 0,
+            "withheld": 0,
+        },
+        child1: {
+            "reports": 4,
+            "published": 1,
+            "expired": 0,
+            "cleared": 0,
+            "withheld": 1,
+        },
     }
     merger_stats = c.scheduler.merge_stats()
     for label, want in expected.items():
@@ -330,8 +343,8 @@ def test_counters_reach_prometheus_and_the_logging_line(bus, model_config, caplo
     assert "StatsChild={'loads': 4}" in line
     assert (
         f"kvmerge={{'{child0}': 'reports=6 published=2 expired=1 cleared=0 "
-        f"refused=0 pending=1', '{child1}': 'reports=2 published=1 expired=0 "
-        "cleared=0 refused=0 pending=0'}"
+        f"withheld=0 refused=0 pending=1', '{child1}': 'reports=4 published=1 "
+        "expired=0 cleared=0 withheld=1 refused=0 pending=0'}"
     ) in line, line
 
 

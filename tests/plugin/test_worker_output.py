@@ -333,37 +333,66 @@ def _damaged_batch() -> EventBatch:
 BATCH = kvmerge.encode([stored(1)])
 
 
-@pytest.mark.parametrize(
-    "entry",
-    [
-        ("lmcache", BATCH),
-        ("lmcache", BATCH, None, None),
-        ("lmcache", bytes(BATCH), None),
-        (1, BATCH, None),
-        ("lmcache", BATCH, "12"),
-        ("lmcache", BATCH, (2**64,)),
-    ],
-    ids=["2-tuple", "4-tuple", "bytes", "int-family", "str-factors", "huge-factor"],
-)
+#: Entries of another shape than ``(family, batch, factors)``.
+OTHER_SHAPES = {
+    "2-tuple": ("lmcache", BATCH),
+    "4-tuple": ("lmcache", BATCH, None, None),
+    "bytes": ("lmcache", bytes(BATCH), None),
+    "int-family": (1, BATCH, None),
+    "str-factors": ("lmcache", BATCH, "12"),
+    "huge-factor": ("lmcache", BATCH, (2**64,)),
+}
+
+
+@pytest.mark.parametrize("entry", OTHER_SHAPES.values(), ids=OTHER_SHAPES.keys())
 def test_an_entry_of_another_shape_is_a_type_error(entry):
     with pytest.raises(TypeError, match="an encoded child's entry is"):
+        WorkerOutput(0, 0, [entry])
+
+
+#: Entries the buffer has no room for, and why.
+UNFITTING = {
+    "long-family": (("x" * 256, BATCH, None), "family's name is 256 bytes"),
+    "long-utf8-family": (("é" * 128, BATCH, None), "family's name is 256 bytes"),
+    "empty-family": (("", BATCH, None), "family is empty"),
+    "256-factors": (
+        ("lmcache", BATCH, tuple(range(1, 257))),
+        "256 replication factors",
+    ),
+    "invalid": (("lmcache", _damaged_batch(), None), "batch does not read"),
+}
+
+
+@pytest.mark.parametrize(("entry", "why"), UNFITTING.values(), ids=UNFITTING.keys())
+def test_what_does_not_fit_the_buffer_is_a_value_error(entry, why):
+    with pytest.raises(ValueError, match=why):
         WorkerOutput(0, 0, [entry])
 
 
 @pytest.mark.parametrize(
     ("entry", "why"),
     [
-        (("x" * 256, BATCH, None), "family's name is 256 bytes"),
-        (("é" * 128, BATCH, None), "family's name is 256 bytes"),
-        (("", BATCH, None), "family is empty"),
-        (("lmcache", BATCH, tuple(range(1, 257))), "256 replication factors"),
-        (("lmcache", _damaged_batch(), None), "batch does not read"),
+        *((e, "an encoded child's entry is") for e in OTHER_SHAPES.values()),
+        *UNFITTING.values(),
     ],
-    ids=["long-family", "long-utf8-family", "empty-family", "256-factors", "invalid"],
+    ids=[*OTHER_SHAPES.keys(), *UNFITTING.keys()],
 )
-def test_what_does_not_fit_the_buffer_is_a_value_error(entry, why):
-    with pytest.raises(ValueError, match=why):
-        WorkerOutput(0, 0, [entry])
+def test_on_the_step_path_an_entry_that_cannot_be_sent_is_that_childs_refusal(
+    entry, why
+):
+    """What the constructor raises for costs the worker's step path only that
+    child's part: its refusal, which the scheduler counts and logs."""
+    good = ("lmcache", BATCH, (2,))
+    output = WorkerOutput.for_step(3, 7, [good, entry, None])
+    assert fields(output) == fields(WorkerOutput(3, 7, [good, output.entries[1], None]))
+    reason = output.entries[1]
+    assert isinstance(reason, str), reason
+    assert reason.startswith("its entry cannot be sent: ") and why in reason, reason
+
+
+def test_on_the_step_path_what_no_entry_causes_still_raises():
+    with pytest.raises(ValueError, match="65536 children"):
+        WorkerOutput.for_step(0, 0, [None] * 65536)
 
 
 def test_the_longest_that_fits_is_taken():

@@ -55,14 +55,36 @@ def upstream() -> ServedResult:
     return serve_run(ServedOptions(connector=UPSTREAM, damage=DAMAGE_EVERY))
 
 
+#: Every check of a run with a router; a run without one has all but the
+#: router's.
+CHECKS = (
+    "http",
+    "stop",
+    "resets",
+    "sequence",
+    "stream",
+    "clears",
+    "rules",
+    "router",
+    "tiers",
+    "lookups",
+    "metrics",
+)
+
+
 def _check(result: ServedResult, name: str) -> None:
     (check,) = [c for c in result.checks() if c.name == name]
-    assert check.ok, check.text
+    assert check.ok, f"{check.text} (the run's files: {result.kept})"
 
 
-@pytest.mark.parametrize(
-    "name", ["http", "sequence", "parents", "rules", "router", "lookups", "metrics"]
-)
+def test_each_run_makes_exactly_its_checks(ours, upstream):
+    assert sorted(c.name for c in ours.checks()) == sorted(CHECKS)
+    # Without a router, and with nothing of the children's merged.
+    theirs = set(CHECKS) - {"router", "tiers", "lookups", "rules", "metrics"}
+    assert sorted(c.name for c in upstream.checks()) == sorted(theirs | {"upstream"})
+
+
+@pytest.mark.parametrize("name", CHECKS)
 def test_the_stream_passes_every_check(ours, name):
     _check(ours, name)
 
@@ -74,7 +96,7 @@ def test_the_run_evicts_preempts_resets_and_stores_on_every_medium(ours):
     )
     assert removed_gpu > 0
     assert ours.preemptions > 0
-    assert r.resets == 2 and r.by_medium.get("-", 0) >= 2  # AllBlocksCleared
+    assert ours.resets == ours.resets_ok == 2
     for medium in ("GPU", "CPU", "STORAGE"):
         assert r.by_medium.get(medium, 0) > 0, r.by_medium
     assert all(n > 0 for n in r.reports)
@@ -131,9 +153,8 @@ def test_vllms_example_connector_keeps_working_beside_the_children(ours):
 
 
 def test_vllms_multiconnector_publishes_none_of_the_childrens_events(ours, upstream):
-    _check(upstream, "http")
-    _check(upstream, "sequence")
-    _check(upstream, "upstream")
+    for name in ("http", "stop", "resets", "sequence", "clears", "upstream"):
+        _check(upstream, name)
     assert upstream.example_hits > 0
     # It never even asks its children's workers for their events: nothing
     # was recorded. The same children under kvmerge published theirs.
@@ -149,17 +170,81 @@ def test_each_server_stopped_and_left_only_vllms_own_segments(ours, upstream):
 
 
 @pytest.fixture(scope="module")
+def native() -> ServedResult:
+    """The same children and requests, each child under its own family's
+    rule (vLLM's path, ``"kv_events_merge": "native"``)."""
+    return serve_run(ServedOptions(rule="native", damage=DAMAGE_EVERY))
+
+
+def _shares(run: ServedResult) -> dict[tuple[int, str], float]:
+    return {(a.wave, a.child): a.share for a in run.accuracy}
+
+
+def test_the_routers_view_of_each_tier_is_measured_against_the_truth(
+    ours, upstream, native
+):
+    runs = (ours, upstream, native)
+    keys = [sorted(_shares(r)) for r in runs]
+    # After each wave, each child.
+    assert keys[0] == keys[1] == keys[2] and len(keys[0]) == 3 * len(ours.replayed)
+    for a in ours.accuracy:
+        assert (
+            a.tier
+            == {"SimLMCache": "host_pinned", "SimMooncake": "disk"}[
+                a.child.split("(")[1].rstrip(")")
+            ]
+        )
+        assert a.truth > 0 and 0 < a.share <= 1 and a.right <= min(a.truth, a.router)
+    # vLLM's MultiConnector publishes none of the children's events: its
+    # router holds nothing of their tiers.
+    assert all(a.router == 0 and a.share == 0 for a in upstream.accuracy)
+    # Under "all", kvmerge's router holds every block a tier truly holds,
+    # after each wave (what it lacks would be a missed cache hit); a stale
+    # block left by a removal a rank never reported is its only error. Under
+    # "quorum" it once lacked one block of 16 (1 run in 6 of this module):
+    # an open defect (docs/routers.md), not a property to assert yet.
+    assert all(
+        a.right == a.truth for a in ours.accuracy if "(SimLMCache)" in a.child
+    ), ours.accuracy
+    assert all(a.right > 0 for a in ours.accuracy), ours.accuracy
+
+
+@pytest.fixture(scope="module")
+def quorum_of_two(dynamo_python: str) -> Iterator[ServedResult]:
+    """TP 4: the Mooncake child's group 0 replicated on 2 ranks, so that
+    ``"quorum"`` needs 2 ranks' reports of a store."""
+    with DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer:
+        yield serve_run(ServedOptions(tp=4, damage=DAMAGE_EVERY), indexer)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_at_tp_4_a_quorum_of_two_ranks_passes_every_check(quorum_of_two, name):
+    _check(quorum_of_two, name)
+
+
+def test_at_tp_4_the_mooncake_child_needs_two_ranks(quorum_of_two):
+    merging = [
+        m["message"]
+        for m in VLLM_LOG_LINE.finditer(quorum_of_two.log)
+        if "merging with rule 'quorum'" in m["message"]
+    ]
+    assert merging and all(
+        "replication factors (2,)" in m and "world size 4" in m for m in merging
+    ), merging
+    assert quorum_of_two.preemptions > 0
+    assert quorum_of_two.statuses == {200: 48}
+
+
+@pytest.fixture(scope="module")
 def replicas(dynamo_python: str) -> Iterator[ServedResult]:
     with DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer:
         yield serve_run(ServedOptions(tp=1, dp=2, requests=32), indexer)
 
 
-@pytest.mark.parametrize(
-    "name", ["http", "sequence", "parents", "rules", "router", "lookups", "metrics"]
-)
+@pytest.mark.parametrize("name", CHECKS)
 def test_each_data_parallel_replica_passes_every_check(replicas, name):
     mine = [c for c in replicas.checks() if c.name.split(" ")[0] == name]
-    assert len(mine) == (1 if name == "http" else 2)
+    assert len(mine) == (1 if name in ("http", "stop", "resets") else 2)
     for check in mine:
         assert check.ok, f"{check.name}: {check.text}"
 
@@ -198,3 +283,83 @@ def test_the_ray_executor_stops_where_vllms_cpu_platform_refuses_ray(tmp_path):
     assert "initialize_ray_cluster" in log
     assert "KVMergeMultiConnector" not in log
     assert not server.killed
+
+
+# -- each check fails on a run damaged on purpose ---------------------------------
+def _stored(medium: str, block: int, parent: int | None) -> object:
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(
+        block_hashes=[block],
+        parent_block_hash=parent,
+        token_ids=list(range(BLOCK_SIZE)),
+        block_size=BLOCK_SIZE,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def _first_child_event(result: ServedResult) -> int:
+    return next(
+        i
+        for i, e in enumerate(result.result.stream)
+        if getattr(e, "medium", None) not in ("GPU", None)
+    )
+
+
+def _damage_stream_drop_child_event(r: ServedResult) -> None:
+    del r.result.stream[_first_child_event(r)]
+
+
+def _damage_orphan(r: ServedResult) -> None:
+    r.result.stream.append(_stored("CPU", 1 << 40, 1 << 41))
+
+
+def _damage_metrics(r: ServedResult) -> None:
+    label = next(iter(r.metrics))
+    del r.metrics[label]["published"]
+
+
+def _damage_tiers(r: ServedResult) -> None:
+    # A store the stream's model takes in and Dynamo's dump never saw.
+    r.result.stream.append(_stored("STORAGE", 1 << 42, None))
+
+
+#: Per check, a damage only it must notice, applied to a copy of the run.
+DAMAGES = {
+    "http": lambda r: r.statuses.update({500: 1}),
+    "stop": lambda r: setattr(r, "returncode", 1),
+    "resets": lambda r: setattr(r, "resets_ok", r.resets_ok - 1),
+    # The publisher's replay buffer held one batch more than was read.
+    "sequence": lambda r: setattr(r.result, "published", r.result.published + 1),
+    "stream": _damage_orphan,
+    "clears": lambda r: r.result.stream.append(_clear()),
+    "rules": _damage_stream_drop_child_event,
+    # Dynamo applied nothing.
+    "router": lambda r: r.result.router_applied.clear(),
+    "tiers": _damage_tiers,
+    "lookups": lambda r: setattr(r.result.lookups, "wrong", 1),
+    "metrics": _damage_metrics,
+}
+
+
+def _clear() -> object:
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    return AllBlocksCleared()
+
+
+def test_every_check_has_its_damage():
+    assert set(DAMAGES) == set(CHECKS)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_each_check_fails_on_a_run_damaged_on_purpose(ours, name):
+    import copy
+
+    damaged = copy.deepcopy(ours)
+    damaged.kept = None
+    DAMAGES[name](damaged)
+    failed = {c.name for c in damaged.checks() if not c.ok}
+    assert name in failed, [c.text for c in damaged.checks() if c.name == name]

@@ -229,3 +229,54 @@ def quorum_configs(draw) -> tuple[int, list[int]]:
             st.integers(1, 5), st.lists(st.integers(1, 6), min_size=1, max_size=3)
         )
     )
+
+
+# The guard ------------------------------------------------------------------
+
+#: A few block hashes of both wire forms, equal as numbers but not as hashes
+#: (1 and b"\x01"), so stores, removals and parents meet often.
+chain_hashes = st.sampled_from([0, 1, 2, -1, b"\x01", b"\x02", b""])
+chain_media = st.sampled_from([None, "CPU", "GPU"])
+
+
+@st.composite
+def chain_stored(draw, n_groups: int | None = None) -> BlockStored:
+    """A store over `chain_hashes`: often a child, sometimes of two blocks."""
+    hashes = draw(st.lists(chain_hashes, min_size=1, max_size=2))
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=draw(st.none() | chain_hashes),
+        token_ids=list(range(len(hashes))),
+        block_size=1,
+        lora_id=None,
+        medium=draw(chain_media),
+        lora_name=None,
+        group_idx=draw(group_indices(n_groups)) if n_groups else None,
+    )
+
+
+@st.composite
+def chain_removed(draw) -> BlockRemoved:
+    return BlockRemoved(
+        block_hashes=draw(st.lists(chain_hashes, min_size=1, max_size=2)),
+        medium=draw(chain_media),
+    )
+
+
+@st.composite
+def chain_pools(draw, n_groups: int | None = None, max_size: int = 8) -> list[object]:
+    """Distinct stores and removals of a few blocks: some of the streams the
+    rules publish of them are valid for a router, some are not."""
+    drawn = draw(
+        st.lists(
+            st.one_of(chain_stored(n_groups), chain_stored(n_groups), chain_removed()),
+            min_size=1,
+            max_size=max_size,
+        )
+    )
+    pool, seen = [], set()
+    for e in drawn:
+        if key(e) not in seen:
+            seen.add(key(e))
+            pool.append(e)
+    return pool

@@ -7,6 +7,10 @@ rates per event type and medium. Sequence numbers are checked: on a gap it asks
 the publisher's replay socket (``--replay``) for the missing batches, and says
 which ones it could not get. ``--jsonl FILE`` writes the stream, one batch per
 line. Nothing arriving within ``--first-batch-timeout`` seconds is an error.
+``--check`` checks what a KV-aware router relies on with
+``kvmerge.streamcheck.StreamCheck`` (every batch, a parent held before its
+child is stored, no block stored twice or removed unheld), and ``--json``
+prints its summary as JSON lines on stdout.
 
 The command decodes with ``kvmerge.events`` (a copy of vLLM's msgspec structs):
 it imports neither vLLM nor torch, and is connected within a fraction of a
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
+from kvmerge.streamcheck import StreamCheck, Summary
 from kvmerge.subscriber import EventSubscriber, Received, Stats
 
 
@@ -107,6 +113,16 @@ def _nonnegative_float(text: str) -> float:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -133,10 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from the replay socket when there is one."
     )
     parser.epilog = (
-        "exit status: 0 the stream was complete, 1 batches were missing or could "
-        "not be decoded, or nothing arrived within --first-batch-timeout, 2 bad "
+        "exit status: 0 the stream was complete (and, with --check, passed the "
+        "check), 1 batches were missing or could not be decoded, nothing arrived "
+        "within --first-batch-timeout, or --check found a violation, 2 bad "
         "options, 130 interrupted (Ctrl-C ends a run without "
-        "--duration/--batches/--idle)"
+        "--duration/--batches/--idle; the summary is printed first)"
     )
     parser.add_argument(
         "endpoint",
@@ -223,11 +240,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is not a terminal)",
     )
     parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check what a KV-aware router relies on, per dp rank and medium "
+        "since the rank's last AllBlocksCleared: no batch missing, no store "
+        "whose parent is not held (in its medium or, below the device tier, a "
+        "tier above: Dynamo's tiers), no block stored twice, none removed "
+        "that is not held; a summary every --interval and at exit. Without "
+        "--history the stream is joined where it is, and a rank's events are "
+        "judged from its next clear on",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="with --check: the check's summary as one JSON object per line "
+        'on stdout, every --interval and at exit ("final": true); the other '
+        "lines go to stderr",
+    )
+    parser.add_argument(
+        "--min-batches",
+        metavar="N",
+        type=_nonnegative_int,
+        default=0,
+        help="with --check: fewer than N batches fails the check (default 0)",
+    )
+    parser.add_argument(
         "--interval",
         metavar="SECONDS",
         type=_positive_float,
         default=1.0,
-        help="how often the rates are shown (default 1)",
+        help="how often the rates (and the --check summary) are shown (default 1)",
     )
 
 
@@ -281,22 +323,211 @@ class _JsonlWriter:
         self._file.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    import signal
+# --- the check (--check) --------------------------------------------------------
+def _new_check(args: argparse.Namespace) -> StreamCheck | None:
+    if not args.check:
+        return None
+    # With --history the stream is read from seq 0; otherwise from wherever it
+    # is, and a rank's blocks are known only from its next clear.
+    return StreamCheck(
+        min_batches=args.min_batches, first_seq=0 if args.history else None
+    )
 
+
+def _json_line(summary: Summary, elapsed: float, final: bool) -> str:
+    return json.dumps(
+        {**summary.to_dict(), "elapsed_s": round(elapsed, 3), "final": final}
+    )
+
+
+def _option_error(args: argparse.Namespace) -> str | None:
     if args.history and not args.replay:
-        print("kvmerge subscribe: error: --history needs --replay", file=sys.stderr)
-        return 2
-    console = None if args.plain else _rich_console()
-    live_view = console is not None and console.is_terminal
-    interrupted = False
+        return "--history needs --replay"
+    if args.json and not args.check:
+        return "--json needs --check"
+    if args.min_batches and not args.check:
+        return "--min-batches needs --check"
+    return None
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        nonlocal interrupted
-        if interrupted:
+
+# --- the command's run ----------------------------------------------------------
+class _Watch:
+    """One run of the command: the subscriber, what it shows, when it stops."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        sub: EventSubscriber,
+        writer: _JsonlWriter | None,
+    ) -> None:
+        self.args = args
+        self.sub = sub
+        self.stats = sub.stats
+        self.writer = writer
+        self.check = _new_check(args)
+        #: Where the lines for people go: stderr when stdout carries JSON.
+        self.out = sys.stderr if args.json else sys.stdout
+        self.console = None if args.plain or args.json else _rich_console()
+        self.live_view = self.console is not None and self.console.is_terminal
+        self.where = f"{args.endpoint}" + (
+            f" (replay {args.replay})" if args.replay else ""
+        )
+        self.first_batch_timeout = getattr(
+            args, "first_batch_timeout", FIRST_BATCH_TIMEOUT
+        )
+        self.meter = RateMeter()
+        self.start = time.monotonic()
+        self.last_batch: float | None = None
+        self.last_show = self.last_line = self.start
+        self.shown = -1
+        self.interrupted = False
+        self.timed_out = False
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        if self.interrupted:
             raise KeyboardInterrupt
-        interrupted = True
+        self.interrupted = True
 
+    # --- reading ------------------------------------------------------------
+    def handle(self, batches: Iterable[Received]) -> None:
+        for received in batches:
+            self.last_batch = time.monotonic()
+            if self.writer is not None:
+                self.writer.write(received)
+            if self.check is not None:
+                self.check.feed(received.batch, received.seq)
+            if self.args.show_events and not self.live_view:
+                tag = " (replayed)" if received.replayed else ""
+                for event in received.batch.events:
+                    self.say(f"{received.seq}{tag} {event}")
+
+    def done(self) -> bool:
+        args, stats = self.args, self.stats
+        now = time.monotonic()
+        if self.interrupted:
+            return True
+        if (
+            self.first_batch_timeout
+            and not (stats.batches or stats.decode_errors)
+            and now - self.start >= self.first_batch_timeout
+        ):
+            self.timed_out = True
+            return True
+        if args.duration is not None and now - self.start >= args.duration:
+            return True
+        if args.batches is not None and stats.batches >= args.batches:
+            return True
+        return (
+            args.idle is not None
+            and self.last_batch is not None
+            and now - self.last_batch >= args.idle
+        )
+
+    def summary(self) -> Summary | None:
+        if self.check is None:
+            return None
+        return self.check.summary(stats=self.stats)
+
+    def loop(self) -> None:
+        sub = self.sub
+        sub.load_decoder()
+        if self.args.history:
+            self.handle(sub.fetch_history())
+        live = None
+        try:
+            if self.live_view:
+                from rich.live import Live
+
+                live = Live(
+                    _table(self.stats, {}, self.title()),
+                    console=self.console,
+                    refresh_per_second=4,
+                )
+                live.start()
+            while not self.done():
+                self.handle(sub.receive(100))
+                now = time.monotonic()
+                if now - self.last_show >= self.args.interval:
+                    self.last_show = now
+                    self.show(now, live)
+        finally:
+            if live is not None:
+                live.stop()
+
+    # --- showing ------------------------------------------------------------
+    def title(self) -> str:
+        summary = self.summary()
+        line = stats_line(self.stats)
+        return line if summary is None else f"{line}\n{summary.text()}"
+
+    def show(self, now: float, live: Any) -> None:
+        """Every --interval: the live table, or a line when batches came (else
+        one every 10 s); with --json, the check's summary every time."""
+        stats = self.stats
+        rates = self.meter.update(stats.by_kind)
+        summary = self.summary()
+        if self.args.json and summary is not None:
+            print(_json_line(summary, now - self.start, False), flush=True)
+        if live is not None:
+            live.update(_table(stats, rates, self.title()))
+            return
+        if self.args.show_events or (
+            stats.batches == self.shown and now - self.last_line < 10
+        ):
+            return
+        self.shown, self.last_line = stats.batches, now
+        per = ", ".join(
+            f"{etype}/{medium} {rate:,.0f}/s"
+            for etype, medium, _n, rate in kind_rows(stats, rates)
+        )
+        self.say(
+            f"[{now - self.start:6.1f}s] {stats_line(stats)}"
+            + (f"; {per}" if per else "")
+        )
+        if summary is not None and not self.args.json:
+            self.say(summary.text())
+
+    def report(self) -> int:
+        """The summary at exit, and the exit status."""
+        args, stats = self.args, self.stats
+        elapsed = time.monotonic() - self.start
+        self.say(f"summary after {elapsed:.1f}s: {stats_line(stats)}")
+        if self.console is not None and self.console.is_terminal:
+            self.console.print(_table(stats, None, "events by type and medium"))
+        else:
+            for etype, medium, n, _rate in kind_rows(stats):
+                self.say(f"  {etype:<17} {medium:<10} {n:>9,}")
+        if stats.missing:
+            self.say(f"missing batches: {_missing_text(stats)}")
+        if args.jsonl:
+            self.say(f"wrote {stats.batches} batches to {args.jsonl}")
+        summary = self.summary()
+        if summary is not None:
+            self.say(summary.text())
+            if args.json:
+                print(_json_line(summary, elapsed, True), flush=True)
+        if self.interrupted:
+            return 130
+        if self.timed_out:
+            print(
+                f"kvmerge subscribe: error: no batch arrived within "
+                f"{self.first_batch_timeout:g}s from {self.where}, topic "
+                f"{args.topic or '(all)'} (is the publisher running, with this "
+                "endpoint and topic? --first-batch-timeout 0 waits for ever)",
+                file=sys.stderr,
+            )
+            return 1
+        failed = summary is not None and not summary.ok
+        return 1 if stats.missing or stats.decode_errors or failed else 0
+
+
+def _open(
+    args: argparse.Namespace,
+) -> tuple[EventSubscriber, _JsonlWriter | None] | str:
+    """The subscriber and the --jsonl file, or why not."""
     from kvmerge.events import KVEventBatch
 
     try:
@@ -308,125 +539,33 @@ def run(args: argparse.Namespace) -> int:
             batch_type=KVEventBatch,
         )
     except Exception as e:  # zmq.ZMQError: a bad or busy endpoint
-        print(f"kvmerge subscribe: error: {args.endpoint}: {e}", file=sys.stderr)
-        return 2
-    writer = None
+        return f"{args.endpoint}: {e}"
     try:
-        writer = _JsonlWriter(args.jsonl) if args.jsonl else None
+        return sub, _JsonlWriter(args.jsonl) if args.jsonl else None
     except OSError as e:
-        print(f"kvmerge subscribe: error: {e}", file=sys.stderr)
         sub.close()
+        return str(e)
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+
+    error = _option_error(args)
+    opened = _open(args) if error is None else error
+    if isinstance(opened, str):
+        print(f"kvmerge subscribe: error: {opened}", file=sys.stderr)
         return 2
-    old = signal.signal(signal.SIGINT, on_sigint)
-    where = f"{args.endpoint}" + (f" (replay {args.replay})" if args.replay else "")
-    print(f"subscribed to {where}, topic {args.topic or '(all)'}", flush=True)
-    meter = RateMeter()
-    start = time.monotonic()
-    last_batch: float | None = None
-    last_show = last_line = start
-    shown = -1
-    stats = sub.stats
-    first_batch_timeout = getattr(args, "first_batch_timeout", FIRST_BATCH_TIMEOUT)
-    timed_out = False
-
-    def handle(batches: Iterable[Received]) -> None:
-        nonlocal last_batch
-        for received in batches:
-            last_batch = time.monotonic()
-            if writer is not None:
-                writer.write(received)
-            if args.show_events and not live_view:
-                for event in received.batch.events:
-                    tag = " (replayed)" if received.replayed else ""
-                    print(f"{received.seq}{tag} {event}")
-
-    def done() -> bool:
-        nonlocal timed_out
-        now = time.monotonic()
-        if interrupted:
-            return True
-        if (
-            first_batch_timeout
-            and not (stats.batches or stats.decode_errors)
-            and now - start >= first_batch_timeout
-        ):
-            timed_out = True
-            return True
-        if args.duration is not None and now - start >= args.duration:
-            return True
-        if args.batches is not None and stats.batches >= args.batches:
-            return True
-        return (
-            args.idle is not None
-            and last_batch is not None
-            and now - last_batch >= args.idle
-        )
-
-    live = None
+    sub, writer = opened
+    watch = _Watch(args, sub, writer)
+    old = signal.signal(signal.SIGINT, watch.on_sigint)
+    watch.say(f"subscribed to {watch.where}, topic {args.topic or '(all)'}")
     try:
-        sub.load_decoder()
-        if args.history:
-            handle(sub.fetch_history())
-        if live_view:
-            from rich.live import Live
-
-            live = Live(
-                _table(stats, {}, f"{stats_line(stats)}"),
-                console=console,
-                refresh_per_second=4,
-            )
-            live.start()
-        while not done():
-            handle(sub.receive(100))
-            now = time.monotonic()
-            if now - last_show >= args.interval:
-                last_show = now
-                rates = meter.update(stats.by_kind)
-                if live is not None:
-                    live.update(_table(stats, rates, stats_line(stats)))
-                elif not args.show_events and (
-                    stats.batches != shown or now - last_line >= 10
-                ):
-                    # A line when batches came (else one every 10 s).
-                    shown, last_line = stats.batches, now
-                    per = ", ".join(
-                        f"{etype}/{medium} {rate:,.0f}/s"
-                        for etype, medium, _n, rate in kind_rows(stats, rates)
-                    )
-                    print(
-                        f"[{now - start:6.1f}s] {stats_line(stats)}"
-                        + (f"; {per}" if per else ""),
-                        flush=True,
-                    )
+        watch.loop()
     except KeyboardInterrupt:
-        interrupted = True
+        watch.interrupted = True
     finally:
-        if live is not None:
-            live.stop()
         signal.signal(signal.SIGINT, old)
         sub.close()
         if writer is not None:
             writer.close()
-    elapsed = time.monotonic() - start
-    print(f"summary after {elapsed:.1f}s: {stats_line(stats)}")
-    if console is not None and console.is_terminal:
-        console.print(_table(stats, None, "events by type and medium"))
-    else:
-        for etype, medium, n, _rate in kind_rows(stats):
-            print(f"  {etype:<17} {medium:<10} {n:>9,}")
-    if stats.missing:
-        print(f"missing batches: {_missing_text(stats)}")
-    if args.jsonl:
-        print(f"wrote {stats.batches} batches to {args.jsonl}")
-    if interrupted:
-        return 130
-    if timed_out:
-        print(
-            f"kvmerge subscribe: error: no batch arrived within "
-            f"{first_batch_timeout:g}s from {where}, topic {args.topic or '(all)'} "
-            "(is the publisher running, with this endpoint and topic? "
-            "--first-batch-timeout 0 waits for ever)",
-            file=sys.stderr,
-        )
-        return 1
-    return 1 if stats.missing or stats.decode_errors else 0
+    return watch.report()

@@ -60,8 +60,8 @@ from kvmerge.vllm.families import BY_NAME, FamilyInfo
 
 from . import FAMILIES
 from .model import child_entry
-from .record import RECORD_KEY, Recorder, replica_folder
-from .tier import Block, Chain, Change, Faults, Reporter, Stored, Tier
+from .record import RECORD_KEY, Recorder, TruthRecorder, replica_folder
+from .tier import Block, Chain, Change, Faults, Removed, Reporter, Stored, Tier
 
 MODULE: Final = __name__
 #: The key of a child's settings in its ``kv_connector_extra_config``.
@@ -301,6 +301,14 @@ class SimChild(NoTransfer):
                 self.rank,
             )
         )
+        # What the tier really holds, beside what the ranks report: rank 0's
+        # (every rank's tier holds the same), recorded here, where every
+        # connector (vLLM's own MultiConnector too) makes the tier save.
+        self.truth = (
+            TruthRecorder(self.recorder.path.parent, self.settings.index)
+            if self.recorder is not None and self.rank == 0
+            else None
+        )
         self._upstream = BY_NAME[self.FAMILY].connector_class()
 
     # --- scheduler side ------------------------------------------------------
@@ -366,7 +374,14 @@ class SimChild(NoTransfer):
             self.reporter.reset()
             self._changes = []
             self._was_reset = True
-        self._changes.extend(self.tier.save(meta.chains))
+        changes = self.tier.save(meta.chains)
+        self._changes.extend(changes)
+        if self.truth is not None:
+            self.truth.write(
+                meta.reset,
+                [c.block.hash for c in changes if isinstance(c, Stored)],
+                [c.hash for c in changes if isinstance(c, Removed)],
+            )
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         changes, self._changes = self._changes, []

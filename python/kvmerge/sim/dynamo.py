@@ -191,7 +191,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _as_i64(value: int) -> int:
+def as_i64(value: int) -> int:
+    """A 64-bit hash as a signed int (the indexer takes and writes either)."""
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
@@ -552,7 +553,7 @@ class DynamoIndexer:
         """The same from Dynamo's ``tokens_hash`` values (as in /dump), not
         vLLM's block hashes."""
         body = {
-            "block_hashes": [_as_i64(int(h)) for h in tokens_hashes],
+            "block_hashes": [as_i64(int(h)) for h in tokens_hashes],
             "model_name": model_name or self.model_name,
         }
         return self._result(self._request("POST", "/query_by_hash", body), model_name)

@@ -7,16 +7,13 @@ each rank sends, and ``kvmerge.testing.reference.ReferenceMerger`` (the rules
 of docs/merge-rules.md, written independently of the engine) merging them.
 What it returns for a step is what the connector must publish in that step,
 in child order.
-
-``ParentCheck`` checks what a router's parent chains rely on: every store
-after its parent's, per medium.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -34,7 +31,7 @@ from .children import (
     SimChild,
     mooncake_factors,
 )
-from .tier import Hash, Reporter, Tier
+from .tier import Reporter, Tier
 
 
 @dataclass
@@ -83,6 +80,8 @@ class Expected:
                 rule,
                 list(factors) if rule == "quorum" else None,
                 max_pending_steps=max_pending,
+                # The connector guards every child it merges.
+                guard=True,
             )
             self.children.append(
                 _Child(
@@ -152,36 +151,3 @@ def same_events(got: Sequence[Any], want: Sequence[Any]) -> str | None:
     if len(got) != len(want):
         return f"published {len(got)} events, expected {len(want)}"
     return None
-
-
-@dataclass
-class ParentCheck:
-    """Whether every store comes after a store of its parent (not removed
-    since), per key (a medium: a child, or the GPU block pool), since the
-    last clear."""
-
-    held: dict[Any, set[Hash]] = field(default_factory=dict)
-    stores: int = 0
-    orphans: int = 0
-    examples: list[str] = field(default_factory=list)
-
-    def apply(self, key: Any, events: Iterable[Any]) -> None:
-        for event in events:
-            kind = type(event).__name__
-            if kind == "AllBlocksCleared":
-                self.held.clear()
-                continue
-            blocks = self.held.setdefault(key, set())
-            if kind == "BlockRemoved":
-                blocks.difference_update(event.block_hashes)
-                continue
-            self.stores += 1
-            parent = event.parent_block_hash
-            if parent is not None and parent not in blocks:
-                self.orphans += 1
-                if len(self.examples) < 3:
-                    self.examples.append(
-                        f"{key}: store of {event.block_hashes[0]} before its "
-                        f"parent {parent}"
-                    )
-            blocks.update(event.block_hashes)

@@ -29,6 +29,8 @@ import msgspec
 
 from kvmerge import Rule
 
+from .tier import Hash
+
 #: A simulated child's settings key naming the folder it records into.
 RECORD_KEY = "record"
 
@@ -74,6 +76,56 @@ class Recorder:
         # One write of one line: a reader never sees half of it.
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def recorded(folder: str | Path) -> bool:
+    """Whether the ranks recorded their reports there (vLLM's own
+    MultiConnector never asks its children for them)."""
+    return path(folder, 0, 0).exists()
+
+
+def truth_path(folder: str | Path, child: int) -> Path:
+    return Path(folder) / f"child{child}-truth.jsonl"
+
+
+class TruthRecorder:
+    """Appends what one child's tier really does, a line a save: whether it
+    was emptied first, the blocks it stored and those it evicted. Every
+    rank's tier holds the same blocks (only their reports differ), so one
+    rank records it."""
+
+    def __init__(self, folder: str | Path, child: int) -> None:
+        self.path = truth_path(folder, child)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(
+        self, reset: bool, stored: Sequence[Hash], removed: Sequence[Hash]
+    ) -> None:
+        encode = msgspec.msgpack.encode
+        line = {
+            "reset": reset,
+            "stored": encode(list(stored)).hex(),
+            "removed": encode(list(removed)).hex(),
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def held(folder: str | Path, child: int) -> set[Hash]:
+    """The blocks the child's tier holds now, replayed from its truth (empty
+    when nothing was recorded yet)."""
+    out: set[Hash] = set()
+    p = truth_path(folder, child)
+    if not p.exists():
+        return out
+    decode = msgspec.msgpack.decode
+    for text in p.read_text().splitlines():
+        d = json.loads(text)
+        if d["reset"]:
+            out.clear()
+        out.update(decode(bytes.fromhex(d["stored"])))
+        out.difference_update(decode(bytes.fromhex(d["removed"])))
+    return out
 
 
 def read(folder: str | Path, child: int, rank: int) -> list[Line]:
@@ -143,6 +195,8 @@ def expected(
         child.rule,
         list(child.factors) if child.factors is not None else None,
         max_pending_steps=max_pending_steps,
+        # The connector guards every child it merges.
+        guard=True,
     )
     out = Replayed([], 0, 0)
     for step in range(steps.pop()):

@@ -25,33 +25,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from kvmerge.streamcheck import DEVICE, LOWER, TIER_OF_MEDIUM
+
+from .dynamo import as_i64
 from .tier import Hash
 
-DEVICE: Final = "device"
 #: How long a differing answer waits before it is asked again, and how long
 #: it may go on differing before it counts as wrong (seconds). A loaded
 #: machine (CI's) has kept the indexer more than one wait behind.
 SETTLE_S: Final = 0.5
 SETTLE_LIMIT_S: Final = 10.0
 _ABSENT: Final = object()
-#: Lower tiers, in the order a query walks them.
-LOWER: Final = ("host_pinned", "disk", "external")
-TIER_OF_MEDIUM: Final[dict[str | None, str]] = {
-    None: DEVICE,
-    "GPU": DEVICE,
-    "DEVICE": DEVICE,
-    "CPU": "host_pinned",
-    "CPU_PINNED": "host_pinned",
-    "CPU_TIER1": "host_pinned",
-    "STORAGE": "disk",
-    "DISK": "disk",
-    "NVME": "disk",
-    "CPU_TIER2": "disk",
-    "EXTERNAL": "external",
-    "NETWORK": "external",
-    "REMOTE": "external",
-    "SHARED": "external",
-}
 
 
 @dataclass(frozen=True)
@@ -102,6 +86,11 @@ class RouterModel:
                 self._store(tier, e)
             elif kind == "BlockRemoved":
                 self._remove(tier, e.block_hashes)
+
+    def held(self) -> dict[str, set[int]]:
+        """Each tier's blocks, as the indexer's ``/dump`` writes their hashes
+        (signed 64-bit ints)."""
+        return {t: {as_i64(int(h)) for h in blocks} for t, blocks in self.tiers.items()}
 
     def _store(self, tier: str, e: Any) -> None:
         blocks = self.tiers[tier]
@@ -164,11 +153,19 @@ class RouterModel:
 
 @dataclass
 class Lookups:
+    #: Lookups meant to be asked, asked, and answered otherwise than the
+    #: model: a check passes only when every one meant was asked.
+    wanted: int = 0
     asked: int = 0
     wrong: int = 0
     examples: list[str] = field(default_factory=list)
 
+    @property
+    def ok(self) -> bool:
+        return self.wanted > 0 and self.asked == self.wanted and self.wrong == 0
+
     def add(self, other: Lookups) -> None:
+        self.wanted += other.wanted
         self.asked += other.asked
         self.wrong += other.wrong
         self.examples.extend(other.examples[: max(0, 3 - len(self.examples))])
@@ -207,6 +204,29 @@ class RouterCheck:
         model has (it counts those alone)."""
         self.indexer.wait_applied(model.device_events, timeout=timeout)
 
+    def tiers(self, dp_rank: int = 0) -> dict[str, set[int]]:
+        """What the indexer holds for this instance and ``dp_rank``, per tier
+        (``/dump``): block hashes as its signed 64-bit ints."""
+        held: dict[str, set[int]] = {t: set() for t in (DEVICE, *LOWER)}
+        for b in self.indexer.dump_blocks():
+            if b.worker_id == self.instance_id and b.dp_rank == dp_rank:
+                held.setdefault(b.tier, set()).add(as_i64(b.block_hash))
+        return held
+
+    def settled_tiers(
+        self, model: RouterModel, dp_rank: int = 0, timeout: float = SETTLE_LIMIT_S
+    ) -> dict[str, set[int]]:
+        """``tiers``, once they equal ``model``'s or ``timeout`` has passed
+        (asked again every ``SETTLE_S``: the indexer counts device-tier
+        events alone, so ``sync`` cannot wait for the lower tiers' last)."""
+        want = model.held()
+        deadline = time.monotonic() + timeout
+        while True:
+            have = self.tiers(dp_rank)
+            if have == want or time.monotonic() >= deadline:
+                return have
+            time.sleep(SETTLE_S)
+
     def _match(self, tokens: list[int]) -> Match:
         got = self.indexer.query(tokens)
         return Match(
@@ -222,10 +242,15 @@ class RouterCheck:
         still be on their way (the indexer counts device-tier events only,
         so ``sync`` cannot wait for them). One that still differs then is
         wrong."""
-        found = Lookups()
         hashes = list(self.parents)
+        # Before any store there is nothing to ask.
+        found = Lookups(wanted=n if hashes else 0)
         differ: list[tuple[list[Hash], list[int], Match]] = []
-        for _ in range(n if hashes else 0):
+        # A drawn chain may reach a block whose tokens the model never saw:
+        # drawn again, a bounded number of times.
+        for _ in range(4 * n if hashes else 0):
+            if found.asked == n:
+                break
             chain = self.chain(self.rng.choice(hashes))
             chain = chain[: self.rng.randint(1, len(chain))]
             if any(h not in model.tokens for h in chain):
@@ -255,3 +280,18 @@ class RouterCheck:
             differ = still
         self.lookups.add(found)
         return found
+
+
+def tier_differences(
+    have: dict[str, set[int]], want: dict[str, set[int]]
+) -> dict[str, tuple[int, int]]:
+    """Per tier where two views differ: ``(blocks only in have, blocks only
+    in want)``."""
+    return {
+        t: (
+            len(have.get(t, set()) - want.get(t, set())),
+            len(want.get(t, set()) - have.get(t, set())),
+        )
+        for t in sorted(set(have) | set(want))
+        if have.get(t, set()) != want.get(t, set())
+    }

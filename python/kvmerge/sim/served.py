@@ -27,19 +27,24 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from kvmerge import DEFAULT_MAX_PENDING_STEPS
+from kvmerge.vllm.config import ChildRule
 
-from .expect import ParentCheck
+from .dynamo import as_i64
 from .model import CONNECTOR, KV_ROLE, VOCAB, child_entry, served_model_dir, word
 from .requests import Arrivals
-from .routing import RouterCheck, RouterModel
+from .routing import TIER_OF_MEDIUM, RouterCheck, RouterModel, tier_differences
 from .run import Check, Options, Result
 from .server import BLOCK_SIZE, Server, ServerOptions
+
+if TYPE_CHECKING:
+    from kvmerge.vllm.config import ChildRule
 
 SERVED_FAMILIES: Final = ("lmcache", "mooncake")
 #: The family whose child damages reports when asked: its last rank reports
@@ -54,6 +59,12 @@ _CONNECTOR_LABEL = re.compile(r'connector="([^"]*)"')
 _ENGINE_LABEL = re.compile(r'engine="([^"]*)"')
 #: kvmerge's own steps and seconds in the engine core.
 _STEP = re.compile(r"^vllm:kvmerge_(steps|step_seconds)_total\{[^}]*\}\s+(\S+)", re.M)
+#: Every how many requests one has a one-block prompt and a long output
+#: (``prompts``), and that output's length.
+LONG_EVERY: Final = 4
+LONG_TOKENS: Final = 160
+#: Lookups of the router after the run.
+LOOKUPS: Final = 100
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+(\S+)", re.M)
 #: vLLM's log line format, as its handler writes it in every process.
 VLLM_LOG_LINE = re.compile(
@@ -79,7 +90,7 @@ class ServedOptions:
     seed: int = 0
     #: The ``DAMAGED`` child's last rank damages its report every
     #: ``damage``-th step (0: never): the connector must refuse exactly those.
-    damage: int = 0
+    damage: int = 3
     max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS
     #: GPU KV cache blocks (of ``BLOCK_SIZE`` tokens): fewer than
     #: ``concurrency`` requests need, so that requests are preempted, and
@@ -89,18 +100,42 @@ class ServedOptions:
     #: Blocks each child's tier holds: few, so that it evicts.
     capacity: int = 16
     #: The children's scripted disagreements between ranks (a late last
-    #: rank, a lost eviction report, a repeated store): off by default. With
-    #: tiers this small, the rules themselves can then publish a store after
-    #: its parent's removal (a late rank's second removal under "quorum"),
-    #: which the parents check would count, depending on the engine's timing;
-    #: the scheduler-loop run, deterministic, is where they are checked.
-    #: ``damage`` is a disagreement that stays on.
-    faults: bool = False
+    #: rank, a lost eviction report, a repeated store), beside ``damage``.
+    #: The connector's guard (docs/merge-rules.md) keeps the stream valid
+    #: whatever they make the rules publish.
+    faults: bool = True
     #: vLLM's ExampleConnector beside the simulated children.
     example: bool = True
+    #: Every simulated child's rule (None: kvmerge's own for its family;
+    #: "native": vLLM's own path, under ``KVMergeMultiConnector``).
+    rule: ChildRule | None = None
     topic: str = "kv-events"
     #: Seconds without a new batch after which the stream is complete.
     settle_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """After one wave, how one child's tier as the router holds it compares
+    with what the ranks' tiers really hold (``kvmerge.sim.record.held``), in
+    blocks."""
+
+    wave: int
+    dp_rank: int
+    child: str
+    #: The router's tier the child's medium falls in.
+    tier: str
+    truth: int
+    router: int
+    #: Blocks both hold.
+    right: int
+
+    @property
+    def share(self) -> float:
+        """The blocks the router has right among those either holds (1.0
+        when both are empty): a stale block and a missing one count alike."""
+        union = self.truth + self.router - self.right
+        return 1.0 if union == 0 else self.right / union
 
 
 @dataclass
@@ -116,6 +151,14 @@ class Replica:
     metrics: dict[str, dict[str, float]]
     #: Per simulated child: its label and its replayed records.
     replayed: list[tuple[str, Any]]
+    #: What Dynamo's ``/dump`` holds at the end, per tier (None: no router).
+    router_tiers: dict[str, set[int]] | None = None
+    #: The ``AllBlocksCleared`` the stream must hold: the GPU block pool's,
+    #: one a successful reset, and the children's, as the rules publish them
+    #: (None: children under vLLM's own path, whose clears no rule says).
+    clears_expected: int | None = 0
+    #: Whether vLLM's own MultiConnector served it.
+    upstream: bool = False
 
 
 @dataclass
@@ -135,6 +178,17 @@ class ServedResult:
     #: kvmerge's own steps and seconds in the engine cores
     #: (``vllm:kvmerge_steps_total``, ``vllm:kvmerge_step_seconds_total``).
     step: dict[str, float] = field(default_factory=dict)
+    #: The server's exit status after SIGTERM (0: a clean stop).
+    returncode: int | None = None
+    #: ``/reset_prefix_cache`` calls, and those that answered ``success``.
+    resets: int = 0
+    resets_ok: int = 0
+    #: Where the run's server log and records were kept (a failed run's;
+    #: None: removed).
+    kept: Path | None = None
+    #: After each wave, each child's tier as the router holds it against the
+    #: truth.
+    accuracy: list[Accuracy] = field(default_factory=list)
 
     @property
     def result(self) -> Result:
@@ -156,7 +210,18 @@ class ServedResult:
                 "http",
                 f"{sum(self.statuses.values())} requests, statuses "
                 + ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses.items())),
-            )
+            ),
+            Check(
+                self.returncode == 0 and not self.killed,
+                "stop",
+                f"vllm serve exited with {self.returncode} after SIGTERM"
+                + (", killed after the wait" if self.killed else ""),
+            ),
+            Check(
+                self.resets_ok == self.resets,
+                "resets",
+                f"{self.resets_ok} of {self.resets} prefix-cache resets succeeded",
+            ),
         ]
         for replica in self.replicas:
             suffix = f" dp{replica.dp_rank}" if len(self.replicas) > 1 else ""
@@ -168,7 +233,36 @@ class ServedResult:
 
 def _replica_checks(replica: Replica) -> list[Check]:
     out = replica.result.checks()
+    clears = replica.result.by_medium.get("-", 0)
+    if replica.clears_expected is not None:
+        out.append(
+            Check(
+                clears == replica.clears_expected,
+                "clears",
+                f"{clears} AllBlocksCleared published, {replica.clears_expected} "
+                "expected (the block pool's resets and the children's clears)",
+            )
+        )
+    if replica.router_tiers is not None:
+        model = RouterModel()
+        model.apply(replica.result.stream)
+        held = model.held()
+        diff = tier_differences(replica.router_tiers, held)
+        out.append(
+            Check(
+                not diff,
+                "tiers",
+                "Dynamo's /dump holds each tier's blocks as the stream says ("
+                + ", ".join(f"{t} {len(b)}" for t, b in held.items())
+                + ")"
+                if not diff
+                else "Dynamo's /dump differs from the stream (tier: only Dynamo's, "
+                f"only the stream's): {diff}",
+            )
+        )
     if replica.result.options.rule is not None:
+        if not replica.upstream:
+            return out
         theirs = replica.result.children_stream
         out.append(
             Check(
@@ -185,12 +279,18 @@ def _replica_checks(replica: Replica) -> list[Check]:
             "published": float(len(r.events)),
             "expired": float(r.counters["expired"]),
             "cleared": float(r.counters["cleared"]),
+            "withheld": float(r.counters["withheld"]),
             "refused": float(r.refused),
         }
         for label, r in replica.replayed
     }
+    # A series the server does not show is missing, not 0.
     got = {
-        label: {k: replica.metrics.get(label, {}).get(k, 0.0) for k in v}
+        label: {
+            k: replica.metrics[label][k]
+            for k in v
+            if k in replica.metrics.get(label, {})
+        }
         for label, v in want.items()
     }
     counts = {k: {n: int(x) for n, x in v.items()} for k, v in want.items()}
@@ -198,12 +298,37 @@ def _replica_checks(replica: Replica) -> list[Check]:
         Check(
             got == want,
             "metrics",
-            "vllm:kvmerge_{reports,published,expired,cleared,refused}_total "
+            "vllm:kvmerge_{reports,published,expired,cleared,withheld,refused}_total "
             + ("equal" if got == want else f"{got}, not")
             + f" the stream's and the records' {counts}",
         )
     )
     return out
+
+
+def accuracy_rows(runs: Sequence[tuple[str, ServedResult]]) -> list[list[str]]:
+    """One row per wave and child: its tier, the blocks it really holds, and
+    per run the share of blocks the router has right (first replica's)."""
+    first = runs[0][1].accuracy
+    rows = []
+    for k, a in enumerate(first):
+        if a.dp_rank != 0:
+            continue
+        row = [str(a.wave), a.child, a.tier, f"{a.truth:,}"]
+        for _, r in runs:
+            b = r.accuracy[k] if k < len(r.accuracy) else None
+            row.append(
+                "-" if b is None else f"{100 * b.share:.0f}% ({b.right}/{b.router})"
+            )
+        rows.append(row)
+    return rows
+
+
+def child_label(index: int, family: str) -> str:
+    """A simulated child's label in the connector's log lines and metrics."""
+    from .children import FAMILY
+
+    return f"connectors[{index}] ({FAMILY[family].cls.__name__})"
 
 
 def connector_config(
@@ -222,6 +347,7 @@ def connector_config(
             faults=opts.faults,
             damage=opts.damage if family == DAMAGED else 0,
             record=str(record),
+            rule=opts.rule,
         )
         for i, family in enumerate(opts.families)
     ]
@@ -248,13 +374,38 @@ def connector_config(
 
 def prompts(opts: ServedOptions) -> list[tuple[str, int]]:
     """The simulation's prompts (shared prefixes), as the served tokenizer's
-    words, with their output lengths."""
+    words (a token each), with their output lengths.
+
+    They are shaped so that vLLM's ExampleConnector loads exactly what it
+    saved, preempted or not (``example_connector.py``, vLLM 0.32 to 0.34,
+    where ``align_to_block_size(t)`` is the last multiple of the block size
+    below ``t``). It looks a prompt up under its tokens up to
+    ``align_to_block_size(len - 1)``, saves and loads it under
+    ``align_to_block_size(len)``, and loads a request resumed after
+    preemption under ``align_to_block_size`` of its tokens so far, output
+    included. For other lengths these differ: the lookup finds a folder
+    another prompt saved, the load opens one never written, and its
+    ``FileNotFoundError`` kills the engine (seeds 2 and 4 did, uncut).
+
+    * Most prompts are cut to ``BLOCK_SIZE * n + 2`` tokens and ask for at
+      most ``BLOCK_SIZE - 2``: the three are then the same ``n`` blocks.
+    * Every ``LONG_EVERY``-th is a single block asking for ``LONG_TOKENS``:
+      its lookup covers no block, so it is never loaded, and its output
+      needs new blocks as it grows, which makes the scheduler preempt (the
+      others never outgrow the blocks their prompt took)."""
     arrivals = Arrivals(seed=opts.seed)
     words = VOCAB - 3
     out = []
-    for _ in range(opts.requests):
+    for i in range(opts.requests):
         p = arrivals.prompt()
-        out.append((" ".join(word(t % words) for t in p.token_ids), p.max_tokens))
+        if p.max_tokens > BLOCK_SIZE - 2:
+            raise ValueError(f"a request asks for {p.max_tokens} tokens")
+        n = len(p.token_ids)
+        if i % LONG_EVERY == LONG_EVERY - 1:
+            tokens, max_tokens = p.token_ids[:BLOCK_SIZE], LONG_TOKENS
+        else:
+            tokens, max_tokens = p.token_ids[: n - (n - 2) % BLOCK_SIZE], p.max_tokens
+        out.append((" ".join(word(t % words) for t in tokens), max_tokens))
     return out
 
 
@@ -343,26 +494,27 @@ class ServedRun:
         statuses: Counter[int] = Counter()
         work = prompts(o)
         per_wave = -(-len(work) // max(1, o.waves))
-        resets = 0
+        resets = resets_ok = 0
+        accuracy: list[Accuracy] = []
         with ThreadPoolExecutor(o.concurrency) as pool:
             for w in range(o.waves):
                 wave = work[w * per_wave : (w + 1) * per_wave]
                 statuses.update(pool.map(lambda p: server.complete(*p), wave))
+                accuracy += self._accuracy(w, checks)
                 if w < o.waves - 1:
-                    server.reset_prefix_cache()
+                    resets_ok += server.reset_prefix_cache()
                     resets += 1
-        deadline = time.monotonic() + 120
-        while (
-            time.monotonic() - self._last_batch < o.settle_s
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.2)
+        self._settle()
         run_s = time.monotonic() - started
-        for stream in self.streams:
-            expected_seq = stream.reader.sub.expected
-            stream.reader.finish(
-                -1 if expected_seq is None else expected_seq - 1, timeout=30
-            )
+        # How far each stream goes, as its publisher's replay buffer says:
+        # not the reader's own count, so that batches it lost at the end
+        # show.
+        published = [
+            last_published_seq(*server.subscriber_endpoints(d), o.topic)
+            for d in range(o.dp)
+        ]
+        for stream, last in zip(self.streams, published, strict=True):
+            stream.reader.finish(-1 if last is None else last, timeout=30)
             if stream.reader.error is not None:
                 raise stream.reader.error
         metrics_text = server.metrics()
@@ -370,13 +522,17 @@ class ServedRun:
         for model_router, stream in zip(models, self.streams, strict=True):
             model_router.apply(stream.events)
         router_applied = None
-        for check, model_router, stream in zip(
-            checks, models, self.streams, strict=True
+        tiers: list[dict[str, set[int]] | None] = []
+        for d, (check, model_router, stream) in enumerate(
+            zip(checks, models, self.streams, strict=True)
         ):
-            if check is not None:
-                check.learn(stream.events)
-                check.sync(model_router)
-                check.ask(model_router, 100)
+            if check is None:
+                tiers.append(None)
+                continue
+            check.learn(stream.events)
+            check.sync(model_router)
+            tiers.append(check.settled_tiers(model_router, d))
+            check.ask(model_router, LOOKUPS)
         if self.router is not None:
             router_applied = self.router.metrics()
         server.stop()
@@ -396,6 +552,22 @@ class ServedRun:
             )
             for d in range(o.dp)
         ]
+        for d, replica in enumerate(replicas):
+            replica.router_tiers = tiers[d]
+            n = published[d]
+            replica.result.published = 0 if n is None else n + 1
+            # Each successful reset clears the GPU block pool once, beside
+            # the children's own clears, which the rules publish.
+            replica.clears_expected = (
+                None
+                if o.rule == "native" and not replica.upstream
+                else resets_ok
+                + sum(
+                    1
+                    for e in replica.result.expected
+                    if type(e).__name__ == "AllBlocksCleared"
+                )
+            )
         log = server.log()
         preempted = _PREEMPTIONS.findall(metrics_text)
         return ServedResult(
@@ -410,7 +582,53 @@ class ServedRun:
             example_hits=log.count("External Cache Hit"),
             preemptions=int(sum(float(v) for v in preempted)),
             step=_step(metrics_text),
+            returncode=server.returncode,
+            accuracy=accuracy,
+            resets=resets,
+            resets_ok=resets_ok,
         )
+
+    def _settle(self) -> None:
+        """Waits until no batch came for ``settle_s`` (120 s at most)."""
+        deadline = time.monotonic() + 120
+        while (
+            time.monotonic() - self._last_batch < self.opts.settle_s
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+
+    def _accuracy(
+        self, wave: int, checks: Sequence[RouterCheck | None]
+    ) -> list[Accuracy]:
+        """Each child's tier, as the router (Dynamo's ``/dump``, or without
+        one the model of the stream) holds it once the stream is quiet,
+        against what the tier really holds."""
+        from .children import FAMILY
+        from .record import held, replica_folder
+
+        self._settle()
+        out = []
+        for d, (stream, check) in enumerate(zip(self.streams, checks, strict=True)):
+            model = RouterModel()
+            model.apply(list(stream.events))
+            view = model.held() if check is None else check.settled_tiers(model, d)
+            folder = replica_folder(self.records, d)
+            for i, f in enumerate(self.opts.families):
+                tier = TIER_OF_MEDIUM[FAMILY[f].cls.MEDIUM]
+                truth = {as_i64(int(h)) for h in held(folder, i)}
+                have = view.get(tier, set())
+                out.append(
+                    Accuracy(
+                        wave,
+                        d,
+                        child_label(i, f),
+                        tier,
+                        len(truth),
+                        len(have),
+                        len(truth & have),
+                    )
+                )
+        return out
 
     def _replica(
         self,
@@ -422,7 +640,7 @@ class ServedRun:
         model_applied: dict[tuple[str, str], int] | None,
     ) -> Replica:
         from .children import FAMILY, mooncake_factors
-        from .record import ChildRecord, expected_stream, replica_folder
+        from .record import ChildRecord, expected_stream, recorded, replica_folder
 
         o = self.opts
         stream = self.streams[d].events
@@ -436,25 +654,17 @@ class ServedRun:
         ]
         # vLLM's MultiConnector never asks its children for their events:
         # then nothing was recorded.
+        # Under vLLM's own path for every child, the rules say nothing.
         folder = replica_folder(self.records, d)
-        recorded = folder.is_dir() and any(folder.iterdir())
+        upstream = o.connector != CONNECTOR
+        merged = not upstream and o.rule != "native"
         expected, replayed = (
             expected_stream(folder, children, o.tp, o.max_pending_steps)
-            if recorded
+            if merged and recorded(folder)
             else ([], [])
         )
-        labels = [
-            f"connectors[{i}] ({FAMILY[f].cls.__name__})"
-            for i, f in enumerate(o.families)
-        ]
-        by_medium: dict[str, int] = {}
-        parents = ParentCheck()
-        for e in stream:
-            m = getattr(e, "medium", None)
-            by_medium[m or "-"] = by_medium.get(m or "-", 0) + 1
-            parents.apply(m, (e,))
+        labels = [child_label(i, f) for i, f in enumerate(o.families)]
         reader_stats = self.streams[d].reader.stats
-        upstream = o.connector != CONNECTOR
         result = Result(
             options=Options(
                 workers=o.tp,
@@ -462,7 +672,7 @@ class ServedRun:
                 max_pending_steps=o.max_pending_steps,
                 num_blocks=o.num_blocks,
                 seed=o.seed,
-                rule="native" if upstream else None,
+                rule=None if merged else "native",
                 topic=o.topic,
             ),
             steps=len(replayed[0].steps) if replayed else 0,
@@ -477,8 +687,6 @@ class ServedRun:
             finished=0,
             preempted=0,
             resets=resets,
-            parents=parents,
-            by_medium=by_medium,
             lookups=check.lookups if check is not None else None,
             router_applied=router_applied,
             model_applied=model_applied,
@@ -489,17 +697,42 @@ class ServedRun:
             set(self.streams[d].reader.dp_ranks),
             metrics,
             list(zip(labels, replayed, strict=False)),
+            upstream=upstream,
         )
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Stops the server; removes the run's folder (its server log and
+        records) unless ``keep``."""
         if self.server is not None:
             self.server.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def serve_run(opts: ServedOptions, router: Any = None) -> ServedResult:
+    """One run; a run that raises or fails a check keeps its folder (the
+    server's log, the ranks' records) and names it."""
     r = ServedRun(opts, router)
     try:
-        return r.run()
+        result = r.run()
+    except BaseException as e:
+        r.close(keep=True)
+        e.add_note(f"the run's server log and records are kept in {r.dir}")
+        raise
+    failed = any(not c.ok for c in result.checks())
+    r.close(keep=failed)
+    if failed:
+        result.kept = r.dir
+    return result
+
+
+def last_published_seq(endpoint: str, replay: str, topic: str) -> int | None:
+    """The last sequence number a publisher's replay socket holds (None:
+    none), asked on a socket of its own."""
+    from kvmerge.subscriber import EventSubscriber
+
+    sub = EventSubscriber(endpoint, topic=topic, replay_endpoint=replay)
+    try:
+        return max((seq for _, seq, _ in sub.replay(0)), default=None)
     finally:
-        r.close()
+        sub.close()

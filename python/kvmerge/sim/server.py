@@ -117,6 +117,9 @@ class Server:
         self.leaked: list[str] = []
         #: Whether a process of the server outlived SIGTERM's wait.
         self.killed = False
+        #: The server's exit status once stopped (None: never started, or
+        #: still running).
+        self.returncode: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._shm_before: set[str] = set()
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -264,7 +267,7 @@ class Server:
             end = time.monotonic() + 10
             while time.monotonic() < end and _group_alive(pgid, proc):
                 time.sleep(0.1)
-        proc.wait(timeout=10)
+        self.returncode = proc.wait(timeout=10)
         for name in sorted(_shm_entries() - self._shm_before):
             # Only the server's: other processes (the caller's) may be using
             # segments made meanwhile.

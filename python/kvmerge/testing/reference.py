@@ -38,6 +38,10 @@ COUNTERS = (
     "cleared",
     "expired",
     "pending",
+    "withheld",
+    "withheld_orphan",
+    "withheld_duplicate",
+    "withheld_unknown",
 )
 
 
@@ -75,6 +79,13 @@ class Stats:
     cleared: int = 0
     expired: int = 0
     pending: int = 0
+    withheld_orphan: int = 0
+    withheld_duplicate: int = 0
+    withheld_unknown: int = 0
+
+    @property
+    def withheld(self) -> int:
+        return self.withheld_orphan + self.withheld_duplicate + self.withheld_unknown
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}
@@ -86,12 +97,15 @@ class ReferenceMerger:
     rule: Rule = "all"
     replication_factors: Sequence[int] | None = None
     max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS
+    guard: bool = False
     step: int = 0
     stats: Stats = field(default_factory=Stats)
     # This step's batches, by rank (a rank absent here added nothing).
     current: dict[int, list[object]] = field(default_factory=dict)
     # Per-rank FIFO of reports not used yet, in position order.
     queues: list[list[Report]] = field(default_factory=list)
+    # The guard's state: per medium, the block hashes held.
+    held: dict[str | None, set[int | bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # "ConfigError ... world_size < 1, an unknown rule, "quorum" without
@@ -163,6 +177,8 @@ class ReferenceMerger:
         self.stats.pending -= dropped
         self.current = {}
         self.queues = [[] for _ in range(self.world_size)]
+        # "reset() empties the held sets too".
+        self.held = {}
 
     # ---------------------------------------------------------------- output
 
@@ -184,6 +200,8 @@ class ReferenceMerger:
             while self._segment(out):
                 pass
             self._expire(step)
+        if self.guard:
+            out = [event for event in out if self._passes_guard(event)]
         self.stats.published += len(out)
         self.stats.pending = sum(len(q) for q in self.queues)
         self.stats.steps += 1
@@ -209,6 +227,35 @@ class ReferenceMerger:
                 out.append(report.event)
                 seen.add(report.ident)
         return out
+
+    def _passes_guard(self, event: object) -> bool:
+        """Whether the guard publishes `event`, applying it to `held` if so.
+
+        "A withheld event changes no state." An event both orphan and
+        duplicate is counted as an orphan.
+        """
+        if isinstance(event, AllBlocksCleared):
+            self.held = {}
+            return True
+        assert isinstance(event, BlockStored | BlockRemoved)
+        held = self.held.get(event.medium, set())
+        hashes = list(event.block_hashes)
+        repeated = len(set(hashes)) != len(hashes)
+        if isinstance(event, BlockStored):
+            parent = event.parent_block_hash
+            if parent is not None and parent not in held:
+                self.stats.withheld_orphan += 1
+                return False
+            if repeated or any(h in held for h in hashes):
+                self.stats.withheld_duplicate += 1
+                return False
+            self.held[event.medium] = held | set(hashes)
+            return True
+        if repeated or any(h not in held for h in hashes):
+            self.stats.withheld_unknown += 1
+            return False
+        self.held[event.medium] = held - set(hashes)
+        return True
 
     def _segment(self, out: list[object]) -> bool:
         """Run one segment; True when a clear ended it and another may run."""

@@ -26,6 +26,9 @@ FACTORS_KEY: Final = "kv_events_replication_factors"
 #: Keys read from the KVMergeMultiConnector's own ``kv_connector_extra_config``.
 MAX_PENDING_KEY: Final = "max_pending_steps"
 OUTPUT_KEY: Final = "kv_events_output"
+#: Whether each merged child's events pass the guard (docs/merge-rules.md,
+#: "Guard"): on unless set to false.
+GUARD_KEY: Final = "kv_events_guard"
 
 #: What a child's ``kv_events_merge`` may say: a ``kvmerge.Merger`` rule, or
 #: "native" (the child's own container and methods).
@@ -75,6 +78,7 @@ class MultiSpec:
     children: tuple[ChildSpec, ...]
     max_pending_steps: int
     output: Output
+    guard: bool = True
 
 
 def _prefix(where: str) -> str:
@@ -140,4 +144,9 @@ def parse_multi(extra: Mapping[str, Any]) -> MultiSpec:
             f"{_prefix('')}: {OUTPUT_KEY}={output!r} must be one of "
             f"{', '.join(repr(o) for o in OUTPUTS)}"
         )
-    return MultiSpec(children=children, max_pending_steps=mps, output=output)
+    guard = extra.get(GUARD_KEY, True)
+    if not isinstance(guard, bool):
+        raise ConfigError(f"{_prefix('')}: {GUARD_KEY}={guard!r} must be true or false")
+    return MultiSpec(
+        children=children, max_pending_steps=mps, output=output, guard=guard
+    )

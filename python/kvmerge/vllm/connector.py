@@ -29,6 +29,7 @@ the worker's message they came in) unless the connector's extra config says
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
@@ -229,6 +230,7 @@ class KVMergeMultiConnector(MultiConnector):
                 ],
                 KVConnectorKVEvents,
                 (MERGE_KEY, FACTORS_KEY),
+                guard=spec.guard,
             )
             for i in range(len(self._children)):
                 self._log_merger(i)
@@ -268,24 +270,26 @@ class KVMergeMultiConnector(MultiConnector):
             if not self._events_enabled:
                 continue
             info = BY_NAME.get(family)
-            factors = (
-                info.factors.read(container, connector)
-                if info is not None and info.factors is not None
-                else None
-            )
-            events = container.get_all_events()
             try:
+                # The container's methods are a third party's code.
+                factors = (
+                    info.factors.read(container, connector)
+                    if info is not None and info.factors is not None
+                    else None
+                )
+                events = container.get_all_events()
                 batch = (
                     self._encode(events, spec, family, factors)
                     if events
                     else _empty_batch()
                 )
-            except KVMergeError as e:
+            except Exception as e:
                 # On the step path: this child's events of this step are
                 # lost, the rest goes on; the scheduler counts and logs it.
+                text = e if isinstance(e, KVMergeError) else f"{type(e).__name__}: {e}"
                 why = (
                     f"cannot encode the events of its {type(container).__name__} "
-                    f"(set {MERGE_KEY}='native' to pass them through unmerged): {e}"
+                    f"(set {MERGE_KEY}='native' to pass them through unmerged): {text}"
                 )
                 logger.error(
                     "KVMergeMultiConnector %s: rank %d: %s",
@@ -298,7 +302,7 @@ class KVMergeMultiConnector(MultiConnector):
             entries[i] = (family, batch, factors)
         seq = self._seq
         self._seq += 1
-        output = WorkerOutput(
+        output = WorkerOutput.for_step(
             self.worker_rank,
             seq,
             entries,
@@ -395,7 +399,7 @@ class KVMergeMultiConnector(MultiConnector):
             if lost is not None:
                 refusals.lost(child, *lost)
             if natives is not None:
-                native.append(combine_native(natives))
+                native.append(combine_native(natives, partial(refusals.refuse, child)))
                 continue
             native.append(None)
             if events:

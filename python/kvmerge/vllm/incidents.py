@@ -27,7 +27,6 @@ class Incidents:
         self.missing: set[int] = set()
         self.expired = 0
         self.clean = 0
-        self.count = 0
 
     def observe(self, step: int, reported: Collection[int], expired: int) -> None:
         """One step: the ranks whose outputs it merged (distinct, in the
@@ -38,7 +37,6 @@ class Incidents:
         if missing or expired:
             if self.start is None:
                 self.start, self.missing, self.expired = step, set(), 0
-                self.count += 1
                 logger.warning(
                     "KVMergeMultiConnector: step %d: %s; other ranks' reports "
                     "of their events wait up to %d steps, then expire (metrics "

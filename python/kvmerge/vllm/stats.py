@@ -20,6 +20,9 @@ previous call:
 * ``expired``: reports that waited ``max_pending_steps`` for the other ranks
   and were dropped;
 * ``cleared``: pending reports an ``AllBlocksCleared`` discarded;
+* ``withheld``: events the rules published that the guard kept out of the
+  stream, a router being unable to apply them (``MergerStats.withheld``,
+  docs/merge-rules.md "Guard");
 * ``refused``: the workers' batches dropped as bad, and steps whose merged
   events were lost (``_Child.refused``);
 * ``pending``: reports waiting now (a level, not an increment).
@@ -28,6 +31,7 @@ Prometheus (labels ``model_name``, ``engine`` as vLLM's own, and
 ``connector``, the child: ``connectors[0] (LMCacheConnectorV1)``):
 ``vllm:kvmerge_reports_total``, ``vllm:kvmerge_published_total``,
 ``vllm:kvmerge_expired_total``, ``vllm:kvmerge_cleared_total``,
+``vllm:kvmerge_withheld_total``,
 ``vllm:kvmerge_refused_total`` (counters) and ``vllm:kvmerge_pending``
 (gauge).
 
@@ -66,7 +70,14 @@ if TYPE_CHECKING:
 #: kvmerge's entry in ``MultiKVConnectorStats.data``.
 KEY: Final = "kvmerge"
 #: Monotonic counters: increments in the stats, Prometheus counters.
-COUNTERS: Final = ("reports", "published", "expired", "cleared", "refused")
+COUNTERS: Final = (
+    "reports",
+    "published",
+    "expired",
+    "cleared",
+    "withheld",
+    "refused",
+)
 #: A level: the latest value in the stats, a Prometheus gauge.
 PENDING: Final = "pending"
 #: The Prometheus label naming the child.
@@ -81,13 +92,15 @@ STEPS: Final = "steps"
 STEP_NS: Final = "ns"
 STEP_METRIC_NAMES: Final = (f"{PREFIX}steps_total", f"{PREFIX}step_seconds_total")
 
-_MERGER_COUNTERS: Final = ("reports", "published", "expired", "cleared")
+_MERGER_COUNTERS: Final = ("reports", "published", "expired", "cleared", "withheld")
 _DOC: Final = {
     "reports": "KV event reports the workers sent, per child (events in).",
     "published": "KV events published after merging, per child (events out).",
     "expired": "KV event reports dropped after waiting max_pending_steps for "
     "the other ranks, per child.",
     "cleared": "Pending KV event reports discarded by an AllBlocksCleared, per child.",
+    "withheld": "KV events withheld as no router could apply them (a store of a "
+    "block held, or whose parent is not, a removal of a block not held), per child.",
     "refused": "Workers' batches of KV events refused as bad, per child.",
     PENDING: "KV event reports waiting for the other ranks, per child.",
 }

@@ -3,13 +3,14 @@
 //!
 //! ```text
 //! 0..4    magic "KVMB"          8..12   event count (u32 LE)
-//! 4       format version (2)    12..16  payload length (u32 LE)
+//! 4       format version (3)    12..16  payload length (u32 LE)
 //! 5..8    zero                  16..24  XXH3-64 of every byte after 24
 //! 24..    one 40-byte record per event, then the payload: a msgpack array
 //!         of the events whose bytes travel, exactly as msgspec encoded them
 //! record: 0..16 identity | 16..20 offset in payload | 20..24 length
 //!         24 kind | 25 flags (bit 0: has group, bit 1: bytes not carried)
-//!         26..32 zero | 32..40 group
+//!         26..28 zero | 28..32 where token_ids ends in the event (u32 LE,
+//!         0: none; see `EventInfo::tokens_end`) | 32..40 group
 //! ```
 //! An event whose bytes the batch does not carry (another rank carries them,
 //! see `carriers`) keeps its record, with length 0. The merger reads
@@ -23,7 +24,7 @@ use crate::msgpack::{self, Reader};
 use crate::schema::{self, EventKind};
 
 const MAGIC: &[u8; 4] = b"KVMB";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 24;
 pub const RECORD_LEN: usize = 40;
 const HAS_GROUP: u8 = 1;
@@ -54,6 +55,7 @@ pub struct Record {
     pub group_idx: Option<i64>,
     /// Whether the event's bytes are in this batch (see `carriers`).
     pub carried: bool,
+    pub tokens_end: u32,
     offset: u32,
     len: u32,
 }
@@ -215,6 +217,7 @@ impl Batch {
             let info = schema::EventInfo {
                 kind: rec.kind,
                 group_idx: rec.group_idx,
+                tokens_end: rec.tokens_end,
             };
             push_record(
                 &mut out,
@@ -318,6 +321,7 @@ impl Batch {
             group_idx: (r[25] & HAS_GROUP != 0)
                 .then(|| i64::from_le_bytes(r[32..40].try_into().expect("8 bytes"))),
             carried: r[25] & UNCARRIED == 0,
+            tokens_end: u32_at(r, 28),
             offset: u32_at(r, 16),
             len: u32_at(r, 20),
         }
@@ -333,6 +337,11 @@ impl Batch {
 
     pub fn kind(&self, i: usize) -> EventKind {
         EventKind::from_u8(self.bytes()[HEADER_LEN + i * RECORD_LEN + 24]).expect("validated")
+    }
+
+    /// Where event `i`'s `token_ids` end (`EventInfo::tokens_end`).
+    pub fn tokens_end(&self, i: usize) -> u32 {
+        u32_at(self.bytes(), HEADER_LEN + i * RECORD_LEN + 28)
     }
 
     /// The msgpack encoding of event `i`, None if this batch does not carry it.
@@ -497,7 +506,8 @@ fn push_record(
     out.extend_from_slice(&(len as u32).to_le_bytes());
     out.push(info.kind as u8);
     out.push(flags);
-    out.extend_from_slice(&[0u8; 6]);
+    out.extend_from_slice(&[0u8; 2]);
+    out.extend_from_slice(&info.tokens_end.to_le_bytes());
     out.extend_from_slice(&info.group_idx.unwrap_or(0).to_le_bytes());
 }
 
@@ -573,7 +583,7 @@ fn validate(b: &[u8]) -> Result<(usize, usize)> {
         let r = &b[HEADER_LEN + i * RECORD_LEN..HEADER_LEN + (i + 1) * RECORD_LEN];
         if EventKind::from_u8(r[24]).is_none()
             || r[25] & !(HAS_GROUP | UNCARRIED) != 0
-            || r[26..32] != [0; 6]
+            || r[26..28] != [0; 2]
         {
             return Err(corrupt(format!("record {i} is malformed")));
         }

@@ -59,6 +59,10 @@ impl EventKind {
 pub struct EventInfo {
     pub kind: EventKind,
     pub group_idx: Option<i64>,
+    /// Where `token_ids`' value ends, from the event's first byte; 0 when
+    /// the event has none. The guard jumps there instead of reading the
+    /// token ids (most of a `BlockStored`'s bytes) to reach its medium.
+    pub tokens_end: u32,
 }
 
 /// The type of a field the schema knows.
@@ -201,6 +205,7 @@ impl From<ReadError> for SchemaError {
 
 /// Reads one event at the reader's position and checks it field by field.
 pub fn read_event(r: &mut Reader<'_>) -> Result<EventInfo, SchemaError> {
+    let start = r.pos();
     let found = r.peek()?;
     if found != Marker::Map {
         return Err(SchemaError::NotAnEvent(format!(
@@ -231,6 +236,7 @@ pub fn read_event(r: &mut Reader<'_>) -> Result<EventInfo, SchemaError> {
     let schema = fields(kind);
     let mut seen: u32 = 0;
     let mut group_idx = None;
+    let mut tokens_end = 0;
     let mut next = 0;
     // Keys the schema does not know, kept only once there is one.
     let mut unknown: Option<HashSet<&[u8]>> = None;
@@ -261,8 +267,11 @@ pub fn read_event(r: &mut Reader<'_>) -> Result<EventInfo, SchemaError> {
             detail,
         };
         let value = check_value(r, field.ty).map_err(wrong)?;
-        if field.name == "group_idx" {
-            group_idx = value;
+        match field.name {
+            "group_idx" => group_idx = value,
+            // An event is far below 4 GiB: a batch refuses one that is not.
+            "token_ids" => tokens_end = u32::try_from(r.pos() - start).unwrap_or(0),
+            _ => {}
         }
     }
     if let Some(missing) = schema
@@ -275,7 +284,74 @@ pub fn read_event(r: &mut Reader<'_>) -> Result<EventInfo, SchemaError> {
             field: missing.1.name,
         });
     }
-    Ok(EventInfo { kind, group_idx })
+    Ok(EventInfo {
+        kind,
+        group_idx,
+        tokens_end,
+    })
+}
+
+/// A block hash as an event holds it: vLLM's `int | bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockHash<'a> {
+    Int(i128),
+    Bytes(&'a [u8]),
+}
+
+/// The fields of a `BlockStored` or `BlockRemoved` that say where its
+/// blocks hang and lie, read from an event `read_event` accepted (its
+/// `block_hashes` go to `read_blocks`'s caller one by one).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Blocks<'a> {
+    pub parent: Option<BlockHash<'a>>,
+    /// `medium`'s UTF-8 bytes; None for None.
+    pub medium: Option<&'a [u8]>,
+}
+
+/// `block_hashes` (each given to `hash`, in order, as it is read: one
+/// pass), `parent_block_hash` and `medium` of one event (its bytes alone);
+/// None when they do not read, which an event `read_event` accepted (every
+/// event of a batch) always does; `hash` may then have seen some of them.
+/// `tokens_end` is its `EventInfo`'s: the token ids are jumped over, not
+/// read (0: read). Only reads, so bytes of any shape (and any `tokens_end`)
+/// give None or other blocks, never a panic.
+pub fn read_blocks<'a>(
+    event: &'a [u8],
+    tokens_end: u32,
+    mut hash: impl FnMut(BlockHash<'a>),
+) -> Option<Blocks<'a>> {
+    let mut r = Reader::new(event);
+    let n = r.read_map_len().ok()?;
+    let mut out = Blocks::default();
+    let mut found = false;
+    for _ in 0..n {
+        match r.read_str_bytes().ok()? {
+            b"block_hashes" if !found => {
+                for _ in 0..r.read_array_len().ok()? {
+                    hash(read_hash(&mut r).ok()?);
+                }
+                found = true;
+            }
+            b"parent_block_hash" if r.peek().ok()? != Marker::Nil => {
+                out.parent = Some(read_hash(&mut r).ok()?)
+            }
+            b"medium" if r.peek().ok()? != Marker::Nil => {
+                out.medium = Some(r.read_str_bytes().ok()?)
+            }
+            b"token_ids" if (r.pos() + 1..=event.len()).contains(&(tokens_end as usize)) => {
+                r.seek(tokens_end as usize)
+            }
+            _ => r.skip_field().ok()?,
+        }
+    }
+    found.then_some(out)
+}
+
+fn read_hash<'a>(r: &mut Reader<'a>) -> Result<BlockHash<'a>, ReadError> {
+    match r.peek()? {
+        Marker::Bin => r.read_bin().map(BlockHash::Bytes),
+        _ => r.read_int().map(BlockHash::Int),
+    }
 }
 
 /// A field a later vLLM may have added: its name must be valid UTF-8 (as
@@ -427,13 +503,7 @@ mod tests {
             ] {
                 let e = with_field(&base, "future_field", v);
                 let info = read(&e).unwrap_or_else(|err| panic!("{v:?}: {err}"));
-                assert_eq!(
-                    info,
-                    EventInfo {
-                        kind,
-                        group_idx: group
-                    }
-                );
+                assert_eq!((info.kind, info.group_idx), (kind, group));
             }
         }
     }

@@ -2,6 +2,7 @@
 
 use crate::batch::Batch;
 use crate::msgpack::{self, write_array_header};
+use crate::schema::BlockHash;
 
 /// One event, msgpack-encoded as msgspec encodes vLLM's classes.
 pub type Ev = Vec<u8>;
@@ -66,6 +67,79 @@ pub fn removed(h: u8) -> Ev {
     e.extend_from_slice(&[0x91, h & 0x7f]);
     write_str(&mut e, "medium");
     e.push(0xc0);
+    e
+}
+
+fn write_hash(e: &mut Vec<u8>, h: BlockHash<'_>) {
+    match h {
+        BlockHash::Int(v) if v >= 0 => write_uint(e, v as u64),
+        BlockHash::Int(v) => msgpack::write_int(e, v as i64),
+        BlockHash::Bytes(b) => msgpack::write_bin(e, b),
+    }
+}
+
+fn write_medium(e: &mut Vec<u8>, medium: Option<&str>) {
+    write_str(e, "medium");
+    match medium {
+        Some(m) => write_str(e, m),
+        None => e.push(0xc0),
+    }
+}
+
+/// `BlockStored` of `hashes` (one token id each), child of `parent`, in
+/// `medium`.
+pub fn stored_blocks(
+    hashes: &[BlockHash<'_>],
+    parent: Option<BlockHash<'_>>,
+    medium: Option<&str>,
+) -> Ev {
+    stored_blocks_in(hashes, parent, medium, None)
+}
+
+/// `stored_blocks` of KV cache group `group`, when given.
+pub fn stored_blocks_in(
+    hashes: &[BlockHash<'_>],
+    parent: Option<BlockHash<'_>>,
+    medium: Option<&str>,
+    group: Option<u8>,
+) -> Ev {
+    let mut e = vec![0x88 + group.is_some() as u8];
+    write_str(&mut e, "type");
+    write_str(&mut e, "BlockStored");
+    write_str(&mut e, "block_hashes");
+    write_array_header(&mut e, hashes.len());
+    hashes.iter().for_each(|&h| write_hash(&mut e, h));
+    write_str(&mut e, "parent_block_hash");
+    match parent {
+        Some(p) => write_hash(&mut e, p),
+        None => e.push(0xc0),
+    }
+    write_str(&mut e, "token_ids");
+    write_array_header(&mut e, hashes.len());
+    (0..hashes.len()).for_each(|t| write_uint(&mut e, t as u64));
+    write_str(&mut e, "block_size");
+    e.push(1);
+    write_str(&mut e, "lora_id");
+    e.push(0xc0);
+    write_medium(&mut e, medium);
+    write_str(&mut e, "lora_name");
+    e.push(0xc0);
+    if let Some(g) = group {
+        write_str(&mut e, "group_idx");
+        e.push(g);
+    }
+    e
+}
+
+/// `BlockRemoved` of `hashes` in `medium`.
+pub fn removed_blocks(hashes: &[BlockHash<'_>], medium: Option<&str>) -> Ev {
+    let mut e = vec![0x83];
+    write_str(&mut e, "type");
+    write_str(&mut e, "BlockRemoved");
+    write_str(&mut e, "block_hashes");
+    write_array_header(&mut e, hashes.len());
+    hashes.iter().for_each(|&h| write_hash(&mut e, h));
+    write_medium(&mut e, medium);
     e
 }
 

@@ -90,8 +90,8 @@ impl PyMerger {
     // `max_pending_steps` arrives as any object (None: the core's default)
     // so that an int beyond u64 can be refused as a ConfigError.
     #[pyo3(
-        signature = (world_size, rule = "all", replication_factors = None, max_pending_steps = None),
-        text_signature = "(world_size, rule='all', replication_factors=None, max_pending_steps=32)"
+        signature = (world_size, rule = "all", replication_factors = None, max_pending_steps = None, guard = false),
+        text_signature = "(world_size, rule='all', replication_factors=None, max_pending_steps=32, guard=False)"
     )]
     fn new(
         py: Python<'_>,
@@ -99,10 +99,11 @@ impl PyMerger {
         rule: &str,
         replication_factors: Option<Vec<Bound<'_, PyAny>>>,
         max_pending_steps: Option<&Bound<'_, PyAny>>,
+        guard: bool,
     ) -> PyResult<Self> {
         let cfg = config_arg(world_size, rule, replication_factors, max_pending_steps)?;
         // Allocates per-rank state, bounded by MAX_WORLD_SIZE: small.
-        let merger = gil::run(py, true, || Merger::new(cfg))?;
+        let merger = gil::run(py, true, || Ok(Merger::new(cfg)?.with_guard(guard)))?;
         Ok(PyMerger {
             inner: Mutex::new(merger),
         })
@@ -126,6 +127,11 @@ impl PyMerger {
     #[getter]
     fn max_pending_steps(&self) -> u64 {
         self.lock().config().max_pending_steps
+    }
+
+    #[getter]
+    fn guard(&self) -> bool {
+        self.lock().guarded()
     }
 
     #[getter]
@@ -204,10 +210,11 @@ impl PyMerger {
         let m = self.lock();
         let c = m.config();
         format!(
-            "Merger(world_size={}, rule={:?}, max_pending_steps={}, step={})",
+            "Merger(world_size={}, rule={:?}, max_pending_steps={}, guard={}, step={})",
             c.carriers.world_size,
             c.carriers.rule.name(),
             c.max_pending_steps,
+            if m.guarded() { "True" } else { "False" },
             m.step()
         )
     }
@@ -252,6 +259,27 @@ impl From<Stats> for PyMergerStats {
     }
 }
 
+impl PyMergerStats {
+    /// Every counter by its Python name, in the stub's order.
+    fn counters(&self) -> [(&'static str, u64); 12] {
+        let s = self.0;
+        [
+            ("steps", s.steps),
+            ("batches", s.batches),
+            ("reports", s.reports),
+            ("published", s.published),
+            ("consumed", s.consumed),
+            ("cleared", s.cleared),
+            ("expired", s.expired),
+            ("pending", s.pending),
+            ("withheld", s.withheld()),
+            ("withheld_orphan", s.withheld_orphan),
+            ("withheld_duplicate", s.withheld_duplicate),
+            ("withheld_unknown", s.withheld_unknown),
+        ]
+    }
+}
+
 #[pymethods]
 impl PyMergerStats {
     #[getter]
@@ -286,20 +314,26 @@ impl PyMergerStats {
     fn pending(&self) -> u64 {
         self.0.pending
     }
+    #[getter]
+    fn withheld(&self) -> u64 {
+        self.0.withheld()
+    }
+    #[getter]
+    fn withheld_orphan(&self) -> u64 {
+        self.0.withheld_orphan
+    }
+    #[getter]
+    fn withheld_duplicate(&self) -> u64 {
+        self.0.withheld_duplicate
+    }
+    #[getter]
+    fn withheld_unknown(&self) -> u64 {
+        self.0.withheld_unknown
+    }
 
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        let s = self.0;
-        for (k, v) in [
-            ("steps", s.steps),
-            ("batches", s.batches),
-            ("reports", s.reports),
-            ("published", s.published),
-            ("consumed", s.consumed),
-            ("cleared", s.cleared),
-            ("expired", s.expired),
-            ("pending", s.pending),
-        ] {
+        for (k, v) in self.counters() {
             d.set_item(k, v)?;
         }
         Ok(d)
@@ -312,10 +346,11 @@ impl PyMergerStats {
     }
 
     fn __repr__(&self) -> String {
-        let s = self.0;
-        format!(
-            "MergerStats(steps={}, batches={}, reports={}, published={}, consumed={}, cleared={}, expired={}, pending={})",
-            s.steps, s.batches, s.reports, s.published, s.consumed, s.cleared, s.expired, s.pending
-        )
+        let fields: Vec<String> = self
+            .counters()
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        format!("MergerStats({})", fields.join(", "))
     }
 }

@@ -144,36 +144,33 @@ fn entry<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Entry<'py>> {
     Ok(Entry::Native(obj.clone()))
 }
 
-// The Python-facing docs are in _kvmerge.pyi; comments here say why.
-#[pymethods]
+/// How `entry` is written into the buffer.
+fn written<'a>(entry: &'a Entry<'_>) -> Written<'a> {
+    match entry {
+        Entry::Nothing => Written::Nothing,
+        Entry::Batch {
+            family,
+            batch,
+            factors,
+        } => Written::Batch {
+            family,
+            factors: factors.as_deref(),
+            batch: batch.bytes(),
+        },
+        Entry::Native(_) => Written::Native,
+        Entry::Refused(reason) => Written::Refused(reason),
+    }
+}
+
 impl PyWorkerOutput {
-    #[new]
-    #[pyo3(signature = (rank, seq, entries, settings = None))]
-    fn new(
+    fn build(
         py: Python<'_>,
         rank: i64,
         seq: i64,
-        entries: Vec<Bound<'_, PyAny>>,
+        entries: Vec<Entry<'_>>,
         settings: Option<&Bound<'_, PyWorkerSettings>>,
     ) -> PyResult<Self> {
-        let entries = entries.iter().map(entry).collect::<PyResult<Vec<_>>>()?;
-        let written: Vec<Written<'_>> = entries
-            .iter()
-            .map(|e| match e {
-                Entry::Nothing => Written::Nothing,
-                Entry::Batch {
-                    family,
-                    batch,
-                    factors,
-                } => Written::Batch {
-                    family,
-                    factors: factors.as_deref(),
-                    batch: batch.bytes(),
-                },
-                Entry::Native(_) => Written::Native,
-                Entry::Refused(reason) => Written::Refused(reason),
-            })
-            .collect();
+        let written: Vec<Written<'_>> = entries.iter().map(written).collect();
         let settings = settings.map(|s| &s.get().0);
         let header = wire::header(rank, seq, settings, &written)
             .map_err(|e| PyValueError::new_err(format!("WorkerOutput: {}", e.0)))?;
@@ -198,6 +195,51 @@ impl PyWorkerOutput {
             py.None()
         };
         Ok(PyWorkerOutput::from_buffer(buffer.as_any(), natives))
+    }
+}
+
+// The Python-facing docs are in _kvmerge.pyi; comments here say why.
+#[pymethods]
+impl PyWorkerOutput {
+    #[new]
+    #[pyo3(signature = (rank, seq, entries, settings = None))]
+    fn new(
+        py: Python<'_>,
+        rank: i64,
+        seq: i64,
+        entries: Vec<Bound<'_, PyAny>>,
+        settings: Option<&Bound<'_, PyWorkerSettings>>,
+    ) -> PyResult<Self> {
+        let entries = entries.iter().map(entry).collect::<PyResult<Vec<_>>>()?;
+        Self::build(py, rank, seq, entries, settings)
+    }
+
+    // On the worker's step path an exception stops the engine: a child's
+    // entry that cannot be sent costs only that child's part, which the
+    // scheduler refuses (counted, logged with the rank).
+    #[staticmethod]
+    #[pyo3(signature = (rank, seq, entries, settings = None))]
+    fn for_step(
+        py: Python<'_>,
+        rank: i64,
+        seq: i64,
+        entries: Vec<Bound<'_, PyAny>>,
+        settings: Option<&Bound<'_, PyWorkerSettings>>,
+    ) -> PyResult<Self> {
+        let refused = |why: &dyn std::fmt::Display| {
+            Entry::Refused(format!("its entry cannot be sent: {why}"))
+        };
+        let entries = entries
+            .iter()
+            .map(|obj| match entry(obj) {
+                Err(err) => refused(&err),
+                Ok(e) => match wire::unwritable(&written(&e)) {
+                    Some(wire::Unwritable(why)) => refused(&why),
+                    None => e,
+                },
+            })
+            .collect();
+        Self::build(py, rank, seq, entries, settings)
     }
 
     // The pickle reconstructor: never raises for what it is given (see the

@@ -28,7 +28,7 @@ use crate::wire::Part;
 use kvmerge_core::EventKind;
 
 /// Declares the kinds of refusal, each once: its variant, its name in
-/// Python, and what it means (`REFUSAL_KINDS`, docs/robustness.md).
+/// Python, and what it means (`_refusal_kinds()`, docs/robustness.md).
 macro_rules! refusal_kinds {
     ($($variant:ident => $name:literal, $doc:literal;)*) => {
         /// Why the step refused an output, or one child's part of it.
@@ -62,7 +62,7 @@ refusal_kinds! {
     Settings => "settings", "The worker's settings differ from the scheduler's.";
     Misconfigured => "misconfigured", "An output of a rank whose settings differed.";
     Children => "children", "Another number of children than the scheduler's.";
-    Encode => "encode", "The worker could not encode the child's events.";
+    Encode => "encode", "The worker could not encode or send the child's events.";
     Native => "native", "A native child's container that is no KVConnectorKVEvents, or not of the other ranks' class.";
     Family => "family", "A container family, or mode, this child cannot take.";
     Factors => "factors", "Replication factors that are missing, invalid or disagree.";
@@ -151,6 +151,8 @@ struct Child {
     merger_rule: Option<Rule>,
     merger_factors: Option<Vec<i64>>,
     factors_from: String,
+    /// Whether its merger withholds what no router can apply (the guard).
+    guard: bool,
 }
 
 /// A refusal before it becomes a Python object.
@@ -221,7 +223,9 @@ impl Child {
             })
             .transpose()
             .map_err(fail)?;
-        let merger = Merger::new(cfg).map_err(|e| fail(e.to_string()))?;
+        let merger = Merger::new(cfg)
+            .map_err(|e| fail(e.to_string()))?
+            .with_guard(self.guard);
         self.merger = Some(merger);
         self.merger_rule = Some(rule);
         self.merger_factors = factors;
@@ -467,7 +471,7 @@ impl PyOutputMerger {
         py: Python<'_>,
         index: usize,
         a: &Accepted<'_>,
-        natives: &mut Vec<Py<PyAny>>,
+        natives: &mut Vec<(i64, Py<PyAny>)>,
     ) -> Result<(Arc<Batch>, bool), Why> {
         let (families, keys) = (&self.families, &self.keys);
         let (world_size, max_pending) = (self.world_size, self.max_pending_steps);
@@ -500,7 +504,7 @@ impl PyOutputMerger {
                 // The child combines the step's containers into the first
                 // one (`kvmerge.vllm.native`), as vLLM's aggregator does:
                 // each must be of a class the first is an instance of.
-                if let Some(first) = natives.first() {
+                if let Some((_, first)) = natives.first() {
                     let first = first.bind(py);
                     if !first.is_instance(&container.get_type()).unwrap_or(false) {
                         return Err((
@@ -514,7 +518,7 @@ impl PyOutputMerger {
                     }
                 }
                 child.resolve(None, None, families, keys, world_size, max_pending)?;
-                natives.push(container.unbind());
+                natives.push((a.rank, container.unbind()));
                 Ok((empty(), false))
             }
             Part::Batch {
@@ -641,7 +645,7 @@ fn py_error_text(py: Python<'_>, e: &PyErr) -> String {
 #[pymethods]
 impl PyOutputMerger {
     #[new]
-    #[pyo3(signature = (world_size, max_pending_steps, settings, families, children, native_type, keys))]
+    #[pyo3(signature = (world_size, max_pending_steps, settings, families, children, native_type, keys, guard = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -652,6 +656,7 @@ impl PyOutputMerger {
         children: Vec<ChildArg>,
         native_type: Bound<'_, PyType>,
         keys: Keys,
+        guard: bool,
     ) -> PyResult<Self> {
         let mut built = Vec::with_capacity(children.len());
         for ChildArg(label, rule, factors, objects, hook) in children {
@@ -667,6 +672,7 @@ impl PyOutputMerger {
                 merger_rule: None,
                 merger_factors: None,
                 factors_from: String::new(),
+                guard,
             };
             match rule.as_deref() {
                 Some(NATIVE) => child.mode = Some(Mode::Native),

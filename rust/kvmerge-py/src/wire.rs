@@ -295,6 +295,34 @@ impl Out {
         Ok(())
     }
 
+    fn part(&mut self, part: &Written<'_>) -> Result<(), Unwritable> {
+        match part {
+            Written::Nothing => self.put(&[NOTHING]),
+            Written::Batch {
+                family,
+                factors,
+                batch,
+            } => {
+                if family.is_empty() {
+                    return Err(Unwritable("a batch's family is empty".into()));
+                }
+                self.put(&[BATCH]);
+                self.text(family, 1, "a family's name")?;
+                self.factors(*factors)?;
+                let len = u32::try_from(batch.len()).map_err(|_| {
+                    Unwritable(format!("a batch of {} bytes, more than 4 GiB", batch.len()))
+                })?;
+                self.put(&len.to_le_bytes());
+            }
+            Written::Native => self.put(&[NATIVE]),
+            Written::Refused(reason) => {
+                self.put(&[REFUSED]);
+                self.text(cut(reason, REASON_MAX_BYTES), 2, "a reason")?;
+            }
+        }
+        Ok(())
+    }
+
     fn settings(&mut self, s: &Settings) -> Result<(), Unwritable> {
         self.text(&s.version, 2, "the kvmerge version")?;
         self.put(&s.world_size.to_le_bytes());
@@ -339,32 +367,15 @@ pub fn header(
         }
     }
     for part in parts {
-        match part {
-            Written::Nothing => out.put(&[NOTHING]),
-            Written::Batch {
-                family,
-                factors,
-                batch,
-            } => {
-                if family.is_empty() {
-                    return Err(Unwritable("a batch's family is empty".into()));
-                }
-                out.put(&[BATCH]);
-                out.text(family, 1, "a family's name")?;
-                out.factors(*factors)?;
-                let len = u32::try_from(batch.len()).map_err(|_| {
-                    Unwritable(format!("a batch of {} bytes, more than 4 GiB", batch.len()))
-                })?;
-                out.put(&len.to_le_bytes());
-            }
-            Written::Native => out.put(&[NATIVE]),
-            Written::Refused(reason) => {
-                out.put(&[REFUSED]);
-                out.text(cut(reason, REASON_MAX_BYTES), 2, "a reason")?;
-            }
-        }
+        out.part(part)?;
     }
     Ok(out.0)
+}
+
+/// Why `part` cannot be written into an output's header, if it cannot (the
+/// same code as `header`'s).
+pub fn unwritable(part: &Written<'_>) -> Option<Unwritable> {
+    Out(Vec::new()).part(part).err()
 }
 
 /// The batches of `parts`, in child order: what follows the header.
@@ -534,5 +545,38 @@ mod tests {
             batch: &[],
         };
         assert!(write(0, 0, None, &[empty]).is_err());
+    }
+
+    #[test]
+    fn unwritable_says_what_header_refuses() {
+        let family = "f".repeat(256);
+        let factors = vec![1; 256];
+        for part in [
+            Written::Batch {
+                family: &family,
+                factors: None,
+                batch: &[],
+            },
+            Written::Batch {
+                family: "",
+                factors: None,
+                batch: &[],
+            },
+            Written::Batch {
+                family: "lmcache",
+                factors: Some(&factors),
+                batch: &[],
+            },
+        ] {
+            let why = unwritable(&part).expect("unwritable");
+            assert_eq!(header(0, 0, None, &[part]).expect_err("refused"), why);
+        }
+        let fits = Written::Batch {
+            family: &family[..255],
+            factors: Some(&factors[..255]),
+            batch: &[],
+        };
+        assert_eq!(unwritable(&fits), None);
+        assert!(header(0, 0, None, &[fits]).is_ok());
     }
 }

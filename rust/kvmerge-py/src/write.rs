@@ -48,6 +48,7 @@ struct Field {
     /// No default: written even when None (msgspec omits only defaults).
     always: bool,
     is_group: bool,
+    is_tokens: bool,
 }
 
 /// What `event` needs: the plans of the `EVENT_TYPES` this module can write
@@ -83,10 +84,11 @@ impl Writer {
             .plans
             .iter()
             .find(|p| std::ptr::eq(p.class.as_ptr(), ty.cast()))?;
-        let group_idx = plan.write(ev, self.layout, encoder, out)?;
+        let (group_idx, tokens_end) = plan.write(ev, self.layout, encoder, out)?;
         Some(EventInfo {
             kind: plan.kind,
             group_idx,
+            tokens_end,
         })
     }
 }
@@ -133,6 +135,7 @@ fn plan(class: &Bound<'_, PyAny>) -> PyResult<Option<Plan>> {
             ty,
             always,
             is_group: name == "group_idx",
+            is_tokens: name == "token_ids",
         });
     }
     if let Some(slots) = slots(class, &names) {
@@ -189,7 +192,7 @@ impl Plan {
         layout: Option<Layout>,
         encoder: &Bound<'_, PyAny>,
         out: &mut Vec<u8>,
-    ) -> Option<Option<i64>> {
+    ) -> Option<(Option<i64>, u32)> {
         let py = ev.py();
         let at = out.len();
         write_struct_header(out, 0, self.max);
@@ -197,6 +200,7 @@ impl Plan {
         out.extend_from_slice(&self.tag);
         let mut entries = 1;
         let mut group_idx = None;
+        let mut tokens_end = 0;
         for f in &self.fields {
             let owned;
             let v = match f.slot {
@@ -235,12 +239,15 @@ impl Plan {
             if f.is_group {
                 group_idx = int;
             }
+            if f.is_tokens {
+                tokens_end = u32::try_from(out.len() - at).unwrap_or(0);
+            }
             entries += 1;
         }
         let mut header = Vec::with_capacity(header_len);
         write_struct_header(&mut header, entries, self.max);
         out[at..at + header_len].copy_from_slice(&header);
-        Some(group_idx)
+        Some((group_idx, tokens_end))
     }
 }
 

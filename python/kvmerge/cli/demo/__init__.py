@@ -329,7 +329,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             _int_in(0),
             "the Mooncake child's last rank damages its report every N-th "
             "step: kvmerge must refuse exactly those (vllm:kvmerge_refused_total) "
-            "and publish everything else; 0: never (default 0)",
+            "and publish everything else; 0: never (default 3)",
         ),
     ):
         server.add_argument(

@@ -25,6 +25,9 @@ class ChildRow:
     pending: int = 0
     expired: int = 0
     cleared: int = 0
+    #: Events the rule published that the connector's guard withheld (no
+    #: router could apply them: docs/merge-rules.md "Guard").
+    withheld: int = 0
 
 
 def total(rows: Sequence[ChildRow]) -> ChildRow:
@@ -36,6 +39,7 @@ def total(rows: Sequence[ChildRow]) -> ChildRow:
         out.pending += row.pending
         out.expired += row.expired
         out.cleared += row.cleared
+        out.withheld += row.withheld
     return out
 
 
@@ -89,6 +93,7 @@ CHILD_HEADERS = (
     "pending",
     "expired",
     "cleared",
+    "withheld",
 )
 
 
@@ -101,6 +106,7 @@ def child_cells(row: ChildRow) -> list[str]:
         f"{row.pending:,}",
         f"{row.expired:,}",
         f"{row.cleared:,}",
+        f"{row.withheld:,}",
     ]
 
 

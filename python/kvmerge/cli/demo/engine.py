@@ -213,7 +213,10 @@ class _Demo:
             if self.interrupt:
                 # Ctrl-C on a terminal reaches vLLM's worker processes too:
                 # they stop, and the step in flight fails.
-                d.print("interrupted: workers stopped, shared memory released")
+                d.print(
+                    "interrupted: workers stopped, shared memory released (the "
+                    f"run in flight failed: {type(e).__name__}: {e})"
+                )
                 return self.interrupt.exit_code
             if args.verbose:
                 import traceback
@@ -270,6 +273,7 @@ class _Demo:
                 row.pending = st["pending"]
                 row.expired = st["expired"]
                 row.cleared = st["cleared"]
+                row.withheld = st["withheld"]
             elif index < len(reports):
                 row.reports = reports[index]
             rows.append(row)
@@ -307,7 +311,7 @@ class _Demo:
         d.table(
             CHILD_HEADERS,
             [child_cells(row) for row in [*children, total(children)]],
-            right=(2, 3, 4, 5, 6),
+            right=range(2, len(CHILD_HEADERS)),
         )
         ns = sorted(r.step_ns)
         p50, p99 = percentile(ns, 0.5), percentile(ns, 0.99)
@@ -320,8 +324,8 @@ class _Demo:
         checks = r.checks()
         if not final:
             # An interrupted run: the tail of the stream may be cut off.
-            checks = [c for c in checks if c.name == "parents"]
-        return show_checks(d, checks, r.parents.examples, final)
+            checks = [c for c in checks if c.name == "stream"]
+        return show_checks(d, checks, final=final)
 
     def _compare(self, processes: Any) -> None:
         from kvmerge.sim.children import FAMILY
@@ -369,7 +373,7 @@ class _Demo:
             p50, p99 = percentile(ns, 0.5), percentile(ns, 0.99)
             line = (
                 f"  {name:<7}: {len(r.children_stream):,} children's events, "
-                f"{r.parents.orphans:,} stores published before their parent's"
+                f"{r.invalid:,} events a router cannot apply"
             )
             if r.lookups is not None:
                 line += (

@@ -51,6 +51,7 @@ CHILD_HEADERS = (
     "out",
     "expired",
     "cleared",
+    "withheld",
     "refused",
     "replayed in",
     "replayed out",
@@ -164,12 +165,19 @@ class _ServedDemo:
         if ours is None:
             return self.interrupt.exit_code
         ok = self._summary(ours)
+        runs = [("KVMergeMultiConnector", ours)]
         if args.compare:
             upstream = dataclasses.replace(opts, connector=UPSTREAM)
             theirs = self._one(upstream, None, "vLLM's MultiConnector")
             if theirs is None:
                 return self.interrupt.exit_code
             ok = self._compare(ours, theirs) and ok
+            native = dataclasses.replace(opts, rule="native")
+            own = self._one(native, None, "each child's own rule (vLLM's path)")
+            if own is None:
+                return self.interrupt.exit_code
+            runs += [("MultiConnector", theirs), ("own rule", own)]
+        self._accuracy(runs)
         d.print("result: every check passed" if ok else "result: FAILED (see above)")
         return EXIT_OK if ok else EXIT_FAILED
 
@@ -203,7 +211,15 @@ class _ServedDemo:
                 self._stop(run, thread)
             if "error" in out and run.server is not None:
                 tail = run.server.log_tail(LOG_TAIL)
-            run.close()
+            result = out.get("result")
+            failed = "error" in out or (
+                result is not None and any(not c.ok for c in result.checks())
+            )
+            run.close(keep=failed)
+            if failed:
+                if result is not None:
+                    result.kept = run.dir
+                d.print(f"the run's server log and records are kept in {run.dir}")
         if self.interrupt:
             d.print("interrupted: vllm serve stopped, shared memory released")
             return None
@@ -291,14 +307,32 @@ class _ServedDemo:
             CHILD_HEADERS, self._children(served), right=range(2, len(CHILD_HEADERS))
         )
         d.print(
-            "  (events in, out, expired, cleared, refused: the server's "
+            "  (events in, out, expired, cleared, withheld, refused: the server's "
             "vllm:kvmerge_*_total; replayed: the ranks' recorded reports "
             "through the reference model of the rules)"
         )
         d.print(published_text(r))
-        return show_checks(d, served.checks(), r.parents.examples, final=False)
+        return show_checks(d, served.checks(), final=False)
+
+    def _accuracy(self, runs: list[tuple[str, Any]]) -> None:
+        from kvmerge.sim.served import accuracy_rows
+
+        d = self.display
+        d.print("")
+        d.print(
+            "the router's view against the truth, after each wave: the share of "
+            "blocks it has right in each child's tier (both hold them, of those "
+            "either holds; right/held by the router)"
+        )
+        d.table(
+            ("wave", "child", "tier", "truly held", *(name for name, _ in runs)),
+            accuracy_rows(runs),
+            right=range(3, 4 + len(runs)),
+        )
 
     def _children(self, served: Any) -> list[list[str]]:
+        from kvmerge.vllm.stats import COUNTERS
+
         rows = []
         for i, (label, replay) in enumerate(served.replayed):
             m = served.metrics.get(label, {})
@@ -306,16 +340,7 @@ class _ServedDemo:
                 [
                     label,
                     rule_text(self.opts.families[i], self.opts.tp),
-                    *(
-                        f"{int(m.get(k, 0)):,}"
-                        for k in (
-                            "reports",
-                            "published",
-                            "expired",
-                            "cleared",
-                            "refused",
-                        )
-                    ),
+                    *(f"{int(m.get(k, 0)):,}" for k in COUNTERS),
                     f"{replay.reports:,}",
                     f"{len(replay.events):,}",
                 ]
@@ -352,9 +377,9 @@ class _ServedDemo:
                 f"{len(b.children_stream):,}",
             ],
             [
-                "stores before their parent's",
-                f"{a.parents.orphans:,}",
-                f"{b.parents.orphans:,}",
+                "events a router cannot apply",
+                f"{a.invalid:,}",
+                f"{b.invalid:,}",
             ],
             ["preemptions", f"{ours.preemptions:,}", f"{theirs.preemptions:,}"],
             [

@@ -5,7 +5,8 @@
 //! rank, while the ranks' pending reports are prefixes of one sequence: a
 //! rank late or silent), `union` ("any"), `fast` (nothing pending and
 //! every rank said the same thing) and `held` (a rank a step late or
-//! silent, the others' batches waiting whole).
+//! silent, the others' batches waiting whole). `guard`, when the merger
+//! has one, then withholds what a router could not apply.
 //!
 //! Dependencies go one way: this module uses the rules, the rules use
 //! `state` and the small leaf modules (`report`, `pending`, `published`...),
@@ -13,6 +14,7 @@
 
 mod config;
 mod fast;
+mod guard;
 mod held;
 mod pending;
 mod prefix;
@@ -41,6 +43,20 @@ use slots::Slots;
 impl Merger {
     pub fn config(&self) -> &MergerConfig {
         &self.cfg
+    }
+
+    /// This merger with a guard (`on`) or without one: each published
+    /// event a router cannot apply to what was published before it is
+    /// withheld and counted (docs/merge-rules.md, "Guard"). A merger has
+    /// none unless given one; a guard given later knows nothing published
+    /// before it, so give it before the first step.
+    pub fn with_guard(mut self, on: bool) -> Merger {
+        self.guard = on.then(Box::default);
+        self
+    }
+
+    pub fn guarded(&self) -> bool {
+        self.guard.is_some()
     }
 
     /// The step now being collected, counted from 0.
@@ -207,7 +223,7 @@ impl Merger {
     }
 
     fn finish_step_with(&mut self, shortcut: bool) -> Published {
-        let out = match self.cfg.carriers.rule {
+        let mut out = match self.cfg.carriers.rule {
             Rule::Any => union::finish(self),
             Rule::All | Rule::Quorum => {
                 if shortcut && fast::applies(self) {
@@ -222,6 +238,9 @@ impl Merger {
                 }
             }
         };
+        if let Some(guard) = &mut self.guard {
+            guard.filter(&mut out, &mut self.stats);
+        }
         self.incoming.iter_mut().for_each(|b| *b = None);
         self.incoming_load = (0, 0);
         self.step += 1;
@@ -231,7 +250,8 @@ impl Merger {
     }
 
     /// Drops every pending report and this step's batches; they count as
-    /// cleared. Counters and the step number stay.
+    /// cleared. Counters and the step number stay; the guard holds nothing
+    /// (the scheduler publishes a clear of its own).
     pub fn reset(&mut self) {
         let dropped = self.stats().pending;
         self.stats.cleared += dropped;
@@ -244,6 +264,9 @@ impl Merger {
         self.index.clear();
         self.indexed = false;
         self.slots = Slots::default();
+        if let Some(guard) = &mut self.guard {
+            guard.clear();
+        }
     }
 }
 

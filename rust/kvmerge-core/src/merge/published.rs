@@ -24,6 +24,11 @@ impl Published {
         )
     }
 
+    /// Keeps the events `keep` says yes to, asked in publication order.
+    pub(super) fn retain(&mut self, mut keep: impl FnMut(&Batch, usize) -> bool) {
+        self.picks.retain(|(b, i)| keep(b, *i as usize));
+    }
+
     pub fn len(&self) -> usize {
         self.picks.len()
     }

@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::config::MergerConfig;
+use super::guard::Guard;
 use super::pending::{Held, Index, Queue};
 use super::published::Published;
 use super::report::{Publication, Report};
@@ -45,6 +46,8 @@ pub struct Merger {
     pub(super) index_only: bool,
     pub(super) slots: Slots,
     pub(super) stats: Stats,
+    /// The guard, when the merger has one (`Merger::with_guard`).
+    pub(super) guard: Option<Box<Guard>>,
 }
 
 impl Merger {
@@ -66,6 +69,7 @@ impl Merger {
             index_only: false,
             slots: Slots::default(),
             stats: Stats::default(),
+            guard: None,
             cfg,
         })
     }
