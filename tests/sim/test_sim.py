@@ -227,6 +227,37 @@ def test_vllms_own_path_is_not_what_the_rules_publish():
 
 
 @pytest.mark.vllm
+def test_compare_never_publishes_on_the_callers_endpoint(tmp_path):
+    """``compare`` runs two engines at once: on the caller's endpoint (the
+    demo's ``--endpoint``) they would take one ipc path from each other, and
+    a router or subscriber there would read either stream (a CI run's
+    kvmerge side once answered vLLM's wrong lookups). A subscriber connected
+    there before the runs start hears nothing."""
+    import zmq
+
+    from kvmerge.sim.run import Options, compare
+
+    endpoint = f"ipc://{tmp_path}/kv"
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    try:
+        opts = Options(steps=40, seed=3, endpoint=endpoint, interval=0.0)
+        ours, theirs = compare(opts)
+        heard = 0
+        while sub.poll(200):
+            sub.recv_multipart()
+            heard += 1
+    finally:
+        sub.close()
+        ctx.term()
+    assert ours.published > 0 and theirs.published > 0
+    assert heard == 0, f"{heard} messages on the caller's endpoint"
+
+
+@pytest.mark.vllm
 @pytest.mark.dynamo
 def test_dynamos_indexer_applies_every_store_and_its_lookups_are_exact(dynamo_python):
     from kvmerge.sim.dynamo import DynamoIndexer

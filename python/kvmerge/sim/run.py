@@ -418,10 +418,23 @@ def compare(opts: Options, routers: Sequence[Any] = ()) -> tuple[Result, Result]
     """The same requests and children through kvmerge and through vLLM's own
     path (every child ``"native"``), workers in this process, stepped in turn,
     the first of each step alternating (so that the machine's load weighs on
-    both alike); ``routers``: none, or one started indexer for each."""
+    both alike); ``routers``: none, or one started indexer for each. Each
+    publishes on endpoints of its own, never ``opts``': two engines bound to
+    one ipc path take it from each other, and a router or subscriber on it
+    would read either stream."""
     rules: tuple[ChildRule | None, ...] = (None, "native")
     both = [
-        Run(replace(opts, rule=rule, processes=False, interval=0.0), router=router)
+        Run(
+            replace(
+                opts,
+                rule=rule,
+                processes=False,
+                interval=0.0,
+                endpoint=None,
+                replay_endpoint=None,
+            ),
+            router=router,
+        )
         for rule, router in zip(rules, routers or (None, None), strict=True)
     ]
     try:
