@@ -192,3 +192,45 @@ def test_reset_forgets_what_was_held():
     assert m.finish_step() == [a]
     assert m.stats().withheld_duplicate == 1
     assert "guard=True" in repr(m)
+
+
+def test_quorum_publishes_a_later_store_before_an_earlier_removal():
+    """The limit docs/merge-rules.md names ("Consequences"): under "quorum"
+    a removal needs every rank and a store only a quorum, so a store the
+    ranks make after a removal can complete first. World 4, factor 2, rank 3
+    a step late: every rank stores B, removes it and stores it again, so B
+    is held; the rule publishes the second store before the removal (the
+    late rank's first store report pairs with the others' second), and the
+    guard withholds that store as a second one of a held block: the router
+    ends without B until its next store or a clear. Engine and reference
+    model agree; a rule that keeps each rank's order here fails this test
+    and must change the docs with it."""
+    b = BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[0],
+        block_size=1,
+        lora_id=None,
+        lora_name=None,
+        medium="CPU",
+        group_idx=0,
+    )
+    gone = BlockRemoved(block_hashes=[1], medium="CPU")
+    steps = [
+        {0: [b], 1: [b], 2: [b], 3: []},
+        {0: [gone], 1: [gone], 2: [gone], 3: [b]},
+        {0: [b], 1: [b], 2: [b], 3: [gone]},
+        {0: [], 1: [], 2: [], 3: [b]},
+    ]
+    published = {False: [[b], [], [b, gone], []], True: [[b], [], [gone], []]}
+    for guard, want in published.items():
+        engine = kvmerge.Merger(4, "quorum", [2], max_pending_steps=2, guard=guard)
+        model = ReferenceMerger(4, "quorum", [2], max_pending_steps=2, guard=guard)
+        for batches, expected in zip(steps, want, strict=True):
+            for rank, events in batches.items():
+                engine.add(rank, kvmerge.encode(events))
+                model.add(rank, events)
+            out = engine.finish_step()
+            assert_same_events(out, model.finish_step())
+            assert_same_events(out, expected)
+        assert engine.stats().withheld_duplicate == int(guard)
