@@ -35,6 +35,21 @@ __version__: str
 _Event = BlockStored | BlockRemoved | AllBlocksCleared
 _Rule = Literal["all", "quorum", "any"]
 _EventClass = Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+#: The names of `_refusal_kinds()`, in its order (tests/plugin/test_refusals.py).
+_RefusalKind = Literal[
+    "output",
+    "rank",
+    "duplicate",
+    "settings",
+    "misconfigured",
+    "children",
+    "encode",
+    "native",
+    "family",
+    "factors",
+    "batch",
+    "merge",
+]
 
 # The exceptions' docstrings are written here only: the extension's build
 # (rust/kvmerge-py/build.rs) gives them to the classes it makes at run time.
@@ -335,7 +350,7 @@ class Refusal:
     every child), and the `detail` the log shows."""
 
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> _RefusalKind: ...
     @property
     def rank(self) -> int | None: ...
     @property

@@ -196,6 +196,16 @@ def test_settings_that_differ_on_the_first_step_stop_the_engine():
     assert result.gaps == []
 
 
+def test_the_stubs_refusal_kind_is_every_kind():
+    """``Refusal.kind``'s type in the stub names exactly the registry's
+    kinds, in its order: a kind added in Rust must be added there too."""
+    stub = Path(kvmerge._kvmerge.__file__).with_name("_kvmerge.pyi").read_text()
+    literal = stub.split("_RefusalKind = Literal[")[1].split("]")[0]
+    names = [n.strip().strip('"') for n in literal.split(",") if n.strip()]
+    assert names == [name for name, _meaning in _refusal_kinds()]
+    assert "def kind(self) -> _RefusalKind: ..." in stub
+
+
 def test_robustness_md_lists_every_refusal_kind():
     """docs/robustness.md's table of refusal kinds is ``_refusal_kinds()``:
     name and meaning, in declaration order."""
