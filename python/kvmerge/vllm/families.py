@@ -105,14 +105,10 @@ class FamilyInfo:
             raise ValueError(f"{where}: rule {self.rule!r} is not one of {RULES}")
         if self.factors is not None and self.rule != "quorum":
             raise ValueError(f"{where}: factors are read for rule 'quorum' only")
+        if self.factors is None and self.rule == "quorum":
+            raise ValueError(f"{where}: rule 'quorum' needs where its factors are read")
         if self.hook and self.scheduler is None:
             raise ValueError(f"{where}: a removal hook needs a scheduler half")
-
-    @property
-    def encoded(self) -> bool:
-        """Whether its workers encode its events (every family: a container
-        kvmerge would not merge needs no entry)."""
-        return self.rule in RULES
 
     @property
     def container_path(self) -> str:
@@ -211,7 +207,9 @@ def _derive(families: tuple[FamilyInfo, ...]) -> None:
     BY_NAME.clear()
     BY_NAME.update(by_name)
     ENCODED.clear()
-    ENCODED.update({f.name for f in families if f.encoded} | {FAMILY_OTHER})
+    # Every family's workers encode its events: a container kvmerge would not
+    # merge needs no entry.
+    ENCODED.update({f.name for f in families} | {FAMILY_OTHER})
 
 
 _derive(FAMILIES)
