@@ -386,9 +386,9 @@ class StepResult:
         in rank order."""
 
     @property
-    def lost(self) -> list[tuple[int, str] | None]:
-        """Per child: the merger's step and why its merged events could not
-        be given out (they do not decode), else None."""
+    def lost(self) -> list[str | None]:
+        """Per child: why its merged events of this step could not be given
+        out (they do not decode), else None."""
 
     @property
     def refusals(self) -> list[Refusal]: ...

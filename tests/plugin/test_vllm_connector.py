@@ -705,6 +705,52 @@ def test_worker_loss_is_logged_once_per_incident(bus, vllm_caplog):
     assert c.scheduler.merge_stats()[0]["expired"] == 3
 
 
+def test_every_line_names_the_output_mergers_step(bus, vllm_caplog):
+    """One step number (``StepResult.step``, from 0) in every line: a step
+    whose container is another connector's is not a step the merger counts,
+    so it takes the number of the next merged step, and the steps after it
+    keep the merger's numbers (the refusals once counted such steps apart)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    c = Cluster([child("LMCacheChild")], bus, tp=2)
+    for r in (0, 1):
+        c.emit(r, 0, [stored(1)])
+    assert c.step() == [stored(1)]  # merged step 0
+    # Not a step of ours: named by the next merged step's number, 1.
+    c.scheduler.update_connector_output(
+        KVConnectorOutput(kv_cache_events=ListKVEvents([stored(9)]))
+    )
+    assert list(c.scheduler.take_events()) == []
+    # Merged step 1: a second output claims rank 0.
+    outputs = []
+    for rank, events in ((0, [stored(2)]), (1, [stored(2)]), (0, [stored(3)])):
+        c.emit(rank, 0, events)
+        outputs.append(shm_roundtrip(worker_output(c.workers[rank]))[0])
+    c.bus.publish(c.schedule(c.aggregator.aggregate(outputs, 0)))
+    for r in (0, 1):  # merged step 2: every rank agrees again
+        c.emit(r, 0, [stored(4)])
+    assert c.step() == [stored(4)]
+    lines = [
+        r.getMessage()
+        for r in vllm_caplog.records
+        if r.name.startswith("vllm.kvmerge") and r.levelno >= logging.WARNING
+    ]
+    assert len(lines) == 5, lines
+    assert "step 1: dropped rank ?'s batch: the aggregated events are a " in lines[0]
+    assert "step 1: dropped rank 0's batch: a second output claims rank 0" in lines[1]
+    assert (
+        "rank ?'s batches are accepted again at step 1: 1 refused since step 1"
+        in (lines[2])
+    )
+    # The refused second output's number is missing from rank 0's outputs.
+    assert "step 2: rank 0's outputs 2..2 never arrived" in lines[3]
+    assert (
+        "rank 0's batches are accepted again at step 2: 1 refused since step 1"
+        in (lines[4])
+    )
+    assert c.scheduler._merger.steps == 3
+
+
 # --- start-up: every worker's settings are the scheduler's -----------------------
 def mismatched_cluster(bus, **worker_changes):
     """A TP 2 cluster whose rank 1 worker was built from another config."""

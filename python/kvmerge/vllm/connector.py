@@ -360,6 +360,7 @@ class KVMergeMultiConnector(MultiConnector):
         children's containers combined."""
         result: StepResult = self._merger.step(outputs)
         children, refusals = self._children, self._refusals
+        refusals.step = result.step
         for refusal in result.refusals:
             rank = refusal.rank
             if refusal.kind == "settings":
@@ -397,7 +398,7 @@ class KVMergeMultiConnector(MultiConnector):
             strict=True,
         ):
             if lost is not None:
-                refusals.lost(child, *lost)
+                refusals.lost(child, lost)
             if natives is not None:
                 native.append(combine_native(natives, partial(refusals.refuse, child)))
                 continue
@@ -421,6 +422,9 @@ class KVMergeMultiConnector(MultiConnector):
             native = self._merge_step(events.outputs)
         elif events is not None:
             # Some other connector's container: no worker of ours made it.
+            # The OutputMerger counts only the steps it merges: this one is
+            # named by the number the next merged step takes.
+            self._refusals.step = self._merger.steps
             self._refusals.refuse_output(
                 self._children,
                 None,

@@ -35,6 +35,7 @@ class Refusals:
         #: open incident.
         self._open: dict[tuple[str, int | None], list[int]] = {}
         self._this_step: set[tuple[str, int | None]] = set()
+        #: The step its lines name: the OutputMerger's (``StepResult.step``).
         self.step = 0
 
     def refuse(self, child: Child, rank: int | None, why: str) -> None:
@@ -65,13 +66,13 @@ class Refusals:
         for child in children:
             self.refuse(child, rank, why)
 
-    def lost(self, child: Child, step: int, why: str) -> None:
+    def lost(self, child: Child, why: str) -> None:
         """A step whose merged events could not be produced."""
         child.refused += 1
         logger.error(
             "%s: step %d: the merged events of this step are lost: %s",
             child.label,
-            step,
+            self.step,
             why,
         )
 
@@ -79,7 +80,6 @@ class Refusals:
         """Closes the incidents of pairs not refused in the step just merged."""
         if not self._open:  # the common case: nothing refused, nothing open
             self._this_step.clear()
-            self.step += 1
             return
         for key in [k for k in self._open if k not in self._this_step]:
             start, count = self._open.pop(key)
@@ -93,4 +93,3 @@ class Refusals:
                 start,
             )
         self._this_step.clear()
-        self.step += 1

@@ -99,7 +99,7 @@ pub struct PyStepResult {
     events: Py<PyList>,
     removed: Py<PyList>,
     natives: Py<PyList>,
-    lost: Vec<Option<(u64, String)>>,
+    lost: Vec<Option<String>>,
     refusals: Py<PyList>,
     gaps: Vec<(i64, i64, i64)>,
     expired: u64,
@@ -591,7 +591,6 @@ impl PyOutputMerger {
             raw_and_decoded(py, &published, kind)
                 .map(|(raws, removed)| (raws.into_any(), kind.map(|_| removed)))
         };
-        let step = merger.step();
         for (rank, e) in rejected {
             refused.push(Refused {
                 kind: Kind::Merge,
@@ -611,7 +610,7 @@ impl PyOutputMerger {
             Err(e) => ChildOut {
                 events: None,
                 removed: None,
-                lost: Some((step, py_error_text(py, &e))),
+                lost: Some(py_error_text(py, &e)),
             },
         })
     }
@@ -629,7 +628,7 @@ impl PyOutputMerger {
 struct ChildOut {
     events: Option<Py<PyAny>>,
     removed: Option<Py<PyAny>>,
-    lost: Option<(u64, String)>,
+    lost: Option<String>,
 }
 
 /// `"{class}: {message}"` of a Python exception.
