@@ -259,3 +259,9 @@ def test_quorum_loses_a_block_a_late_rank_stored_again():
     assert out == [[], [b], [gone], []]
     out, _ = _published({**config, "rule": "all"}, steps, True)
     assert out == [[], [b], [gone, b], []]
+    # No rank late: the three in one step, the second store a duplicate.
+    steps = [{0: [b, gone, b], 1: [b, gone, b]}]
+    out, _ = _published(
+        {**config, "rule": "quorum", "replication_factors": [1]}, steps, True
+    )
+    assert out == [[b, gone]]
