@@ -43,15 +43,17 @@ from typing import Any
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from kvmerge import DEFAULT_MAX_PENDING_STEPS
+from kvmerge.vllm.families import FAMILIES
 
 from .presets import PRESETS
 
 #: Children whose container can carry ``AllBlocksCleared``.
 CLEARABLE = frozenset({"list"})
-#: Medium each child reports.
-MEDIUM = {"lmcache": "CPU", "mooncake": "STORAGE", "list": "CPU"}
-#: Children whose stores carry a KV cache group (``group_idx``).
-GROUPED = frozenset({"mooncake"})
+#: Medium each child reports: a registered family's, else the list's.
+MEDIUM = {f.name: f.medium for f in FAMILIES} | {"list": "CPU"}
+#: Children whose stores carry a KV cache group (``group_idx``): the
+#: families whose rule reads replication factors.
+GROUPED = frozenset(f.name for f in FAMILIES if f.factors is not None)
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def test_each_present_family_names_real_classes_that_behave_as_registered(name):
     assert container_family(sub.__new__(sub)) == name
     if info.factors is not None:
         reported = info.factors.read(container, None)
-        assert reported == sim_children.mooncake_factors(4)
+        assert reported == sim.factors(4)
 
 
 def test_a_container_of_no_family_is_other():
@@ -170,6 +170,8 @@ def test_every_family_has_its_simulated_child_and_the_defaults_are_the_present_o
         assert name == sim.cls.FAMILY
         assert sim.rule == info.rule
         assert info.medium == sim.cls.MEDIUM
+        # A "quorum" family's child carries factors; no other's does.
+        assert (sim.cls.factors(4) is None) == (info.factors is None)
         assert sim.cls.SCHEDULER is sim_children.scheduler_for(info)
     assert tuple(PRESENT) == kvmerge.sim.FAMILIES
     assert list(sim_children.FAMILY) == PRESENT

@@ -262,6 +262,12 @@ class SimChild(NoTransfer):
         """Whether ``rank`` reports the blocks its tier stores."""
         return True
 
+    @classmethod
+    def factors(cls, world_size: int) -> tuple[int, ...] | None:
+        """The group TP replication factors its containers carry (a
+        ``"quorum"`` family's, which its rule reads), else None."""
+        return None
+
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
     ) -> None:
@@ -421,12 +427,6 @@ class SimLMCache(SimChild, family="lmcache"):
 REPLICAS: Final = 2
 
 
-def mooncake_factors(world_size: int) -> tuple[int, ...]:
-    """Group TP replication factors: group 0 replicated on ``REPLICAS`` ranks
-    (GQA with fewer KV heads than ranks) when the world size allows it."""
-    return (REPLICAS,) if world_size % REPLICAS == 0 else (1,)
-
-
 class SimMooncake(SimChild, family="mooncake"):
     """The Mooncake store's events: ``MooncakeStoreKVEvents`` always, with the
     group replication factors; a replicated block is written (and its store
@@ -438,13 +438,19 @@ class SimMooncake(SimChild, family="mooncake"):
     @classmethod
     def reports_store(cls, rank: int, world_size: int) -> bool:
         # One writer per replica set: the others' stores are its.
-        return rank % mooncake_factors(world_size)[0] == 0
+        return rank % cls.factors(world_size)[0] == 0
+
+    @classmethod
+    def factors(cls, world_size: int) -> tuple[int, ...]:
+        """Group 0 replicated on ``REPLICAS`` ranks (GQA with fewer KV heads
+        than ranks) when the world size allows it."""
+        return (REPLICAS,) if world_size % REPLICAS == 0 else (1,)
 
     @classmethod
     def make_container(
         cls, world_size: int, events: list[KVCacheEvent]
     ) -> KVConnectorKVEvents:
-        return mooncake_container(events, mooncake_factors(world_size))
+        return mooncake_container(events, cls.factors(world_size))
 
 
 class SimUMBP(SimChild, family="umbp"):

@@ -29,7 +29,6 @@ from .children import (
     ChildSettings,
     SaveMeta,
     SimChild,
-    mooncake_factors,
 )
 from .tier import Reporter, Tier
 
@@ -74,11 +73,11 @@ class Expected:
                 continue
             settings = ChildSettings.from_extra(child_extra)
             rule = _rule(entry, cls)
-            factors = mooncake_factors(self.world_size)
+            factors = cls.factors(self.world_size)
             merger = ReferenceMerger(
                 self.world_size,
                 rule,
-                list(factors) if rule == "quorum" else None,
+                list(factors) if rule == "quorum" and factors else None,
                 max_pending_steps=max_pending,
                 # The connector guards every child it merges.
                 guard=True,

@@ -639,7 +639,7 @@ class ServedRun:
         router_applied: Any,
         model_applied: dict[tuple[str, str], int] | None,
     ) -> Replica:
-        from .children import FAMILY, mooncake_factors
+        from .children import FAMILY
         from .record import ChildRecord, expected_stream, recorded, replica_folder
 
         o = self.opts
@@ -648,7 +648,7 @@ class ServedRun:
             ChildRecord(
                 i,
                 FAMILY[f].rule,
-                mooncake_factors(o.tp) if FAMILY[f].rule == "quorum" else None,
+                FAMILY[f].cls.factors(o.tp) if FAMILY[f].rule == "quorum" else None,
             )
             for i, f in enumerate(o.families)
         ]

@@ -403,9 +403,9 @@ def children_text(families: Iterable[str], rule: Callable[[str], str]) -> str:
 
 
 def rule_text(family: str, workers: int) -> str:
-    from kvmerge.sim.children import FAMILY, mooncake_factors
+    from kvmerge.sim.children import FAMILY
 
     rule = FAMILY[family].rule
     if rule == "quorum":
-        return f"{rule} {list(mooncake_factors(workers))}"
+        return f"{rule} {list(FAMILY[family].cls.factors(workers) or ())}"
     return rule
