@@ -154,6 +154,19 @@ def wait_replayable(sub, last_seq: int) -> None:
         time.sleep(0.05)
 
 
+def published_config(pub, last_seq: int):
+    """``pub``'s config, once it has sent ``last_seq`` (asked by a probe)."""
+    from kvmerge.subscriber import EventSubscriber
+
+    cfg = pub.get_publisher_config()
+    probe = EventSubscriber(cfg.endpoint, replay_endpoint=cfg.replay_endpoint)
+    try:
+        wait_replayable(probe, last_seq)
+    finally:
+        probe.close()
+    return cfg
+
+
 def frames(batch, seq: int) -> list[bytes]:
     return [b"kv", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
 
@@ -327,18 +340,12 @@ def test_the_command_reads_vllms_publisher_without_importing_vllm(publisher, tmp
     """A fresh interpreter reads a real ZmqEventPublisher (history from the
     replay socket, then live batches) and writes what vLLM's classes encode as
     JSON, having imported neither vLLM nor torch."""
-    from kvmerge.subscriber import EventSubscriber
 
     pub = publisher()
     sent = batches(6)
     for b in sent[:3]:
         pub.publish(b)
-    cfg = pub.get_publisher_config()
-    probe = EventSubscriber(cfg.endpoint, replay_endpoint=cfg.replay_endpoint)
-    try:
-        wait_replayable(probe, 2)
-    finally:
-        probe.close()
+    cfg = published_config(pub, 2)
     jsonl = tmp_path / "stream.jsonl"
     proc = watched(
         "subscribe",
@@ -455,17 +462,11 @@ def stream(duplicate: bool = False) -> list:
 def run_check(publisher, sent: list) -> tuple[int, list[dict], str]:
     """``kvmerge subscribe --check --json`` (without vLLM) on a publisher that
     sent ``sent``: the exit status, the JSON lines, stderr."""
-    from kvmerge.subscriber import EventSubscriber
 
     pub = publisher()
     for b in sent:
         pub.publish(b)
-    cfg = pub.get_publisher_config()
-    probe = EventSubscriber(cfg.endpoint, replay_endpoint=cfg.replay_endpoint)
-    try:
-        wait_replayable(probe, len(sent) - 1)
-    finally:
-        probe.close()
+    cfg = published_config(pub, len(sent) - 1)
     proc = watched(
         "subscribe",
         cfg.endpoint,

@@ -10,7 +10,8 @@ from support.strategies import (
     quorum_configs,
     scenarios,
 )
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from support.vllm_harness import removed, stored
+from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
 
 import kvmerge
 from kvmerge.testing.reference import (
@@ -106,27 +107,9 @@ def test_quorum_publishes_an_invalid_stream_the_guard_withholds():
     and a removal needs both. Rank 1, a step late, reports a store rank 0
     completed already, the removal, and a child of the removed block: the
     rule publishes a second store of a held block and an orphan."""
-    a = BlockStored(
-        block_hashes=[1],
-        parent_block_hash=None,
-        token_ids=[0],
-        block_size=1,
-        lora_id=None,
-        lora_name=None,
-        medium="CPU",
-        group_idx=0,
-    )
-    gone = BlockRemoved(block_hashes=[1], medium="CPU")
-    child = BlockStored(
-        block_hashes=[b"\x02"],
-        parent_block_hash=1,
-        token_ids=[0],
-        block_size=1,
-        lora_id=None,
-        lora_name=None,
-        medium="CPU",
-        group_idx=0,
-    )
+    a = stored(1, group=0, medium="CPU")
+    gone = removed(1, medium="CPU")
+    child = stored(b"\x02", 1, group=0, medium="CPU")
 
     def run(guard):
         m = kvmerge.Merger(2, "quorum", [2], guard=guard)
@@ -152,16 +135,8 @@ def test_quorum_publishes_an_invalid_stream_the_guard_withholds():
 def test_a_lost_removal_report_is_not_published_twice():
     """Under "any", two ranks each report a removal in another step: the
     second publication removes a block no longer held."""
-    a = BlockStored(
-        block_hashes=[7],
-        parent_block_hash=None,
-        token_ids=[0],
-        block_size=1,
-        lora_id=None,
-        lora_name=None,
-        medium=None,
-    )
-    gone = BlockRemoved(block_hashes=[7], medium=None)
+    a = stored(7, medium=None)
+    gone = removed(7, medium=None)
     for guard in (False, True):
         m = kvmerge.Merger(2, "any", guard=guard)
         model = ReferenceMerger(2, "any", guard=guard)
@@ -175,15 +150,7 @@ def test_a_lost_removal_report_is_not_published_twice():
 
 
 def test_reset_forgets_what_was_held():
-    a = BlockStored(
-        block_hashes=[b"a"],
-        parent_block_hash=None,
-        token_ids=[0],
-        block_size=1,
-        lora_id=None,
-        lora_name=None,
-        medium="GPU",
-    )
+    a = stored(b"a")
     m = kvmerge.Merger(1, guard=True)
     m.add(0, kvmerge.encode([a]))
     assert m.finish_step() == [a]
@@ -192,20 +159,6 @@ def test_reset_forgets_what_was_held():
     assert m.finish_step() == [a]
     assert m.stats().withheld_duplicate == 1
     assert "guard=True" in repr(m)
-
-
-def _stored_again() -> tuple[BlockStored, BlockRemoved]:
-    b = BlockStored(
-        block_hashes=[1],
-        parent_block_hash=None,
-        token_ids=[0],
-        block_size=1,
-        lora_id=None,
-        lora_name=None,
-        medium="CPU",
-        group_idx=0,
-    )
-    return b, BlockRemoved(block_hashes=[1], medium="CPU", group_idx=0)
 
 
 def _published(config, steps, guard):
@@ -229,7 +182,7 @@ def test_quorum_loses_a_block_a_late_rank_stored_again():
     is a step late. Under "quorum" the router ends without B (until its next
     store or a clear); engine and reference model agree. A rule that keeps
     the late ranks' order fails this test and changes the docs with it."""
-    b, gone = _stored_again()
+    b, gone = stored(1, group=0, medium="CPU"), removed(1, group=0, medium="CPU")
     # World 4, factor 2: the new store completes without the late rank, in
     # the step the removal does (it needs every rank), at a smaller position.
     quorum_of_2 = {

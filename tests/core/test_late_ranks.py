@@ -7,6 +7,7 @@ a block or leaves it one (docs/merge-rules.md, "Consequences"). Under
 
 from hypothesis import given
 from hypothesis import strategies as st
+from support.vllm_harness import removed, stored
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 import kvmerge
@@ -25,20 +26,10 @@ def truth(ops: list[list[int]]) -> tuple[list[list[object]], set[int]]:
         for h in step:
             if h in held:
                 held.discard(h)
-                events.append(BlockRemoved(block_hashes=[h], medium=MEDIUM))
+                events.append(removed(h, medium=MEDIUM))
             else:
                 held.add(h)
-                events.append(
-                    BlockStored(
-                        block_hashes=[h],
-                        parent_block_hash=None,
-                        token_ids=[h],
-                        block_size=1,
-                        lora_id=None,
-                        lora_name=None,
-                        medium=MEDIUM,
-                    )
-                )
+                events.append(stored(h, medium=MEDIUM))
         steps.append(events)
     return steps, held
 

@@ -520,13 +520,18 @@ def drop_a_batch(stream: list, draw: Any) -> str | None:
     return MISSING  # numbered() is not told: seqs are taken before
 
 
-def drop_a_store_later_removed(stream: list, draw: Any) -> str | None:
-    def later_removed(i: int, j: int, e: Any) -> bool:
+def _drop_one_named_later(
+    stream: list, draw: Any, kind: type, later: type, outcome: str
+) -> str | None:
+    """Drops one event of ``kind`` a later event of kind ``later`` names a
+    block of (in its medium); ``outcome``, the check that must then fail."""
+
+    def named_later(i: int, j: int, e: Any) -> bool:
         return any(
-            isinstance(r, BlockRemoved)
-            and r.medium == e.medium
-            and set(r.block_hashes) & set(e.block_hashes)
-            for _k, _m, r in _after(stream, i, j)
+            isinstance(x, later)
+            and x.medium == e.medium
+            and set(x.block_hashes) & set(e.block_hashes)
+            for _k, _m, x in _after(stream, i, j)
         )
 
     where = _pick(
@@ -534,36 +539,23 @@ def drop_a_store_later_removed(stream: list, draw: Any) -> str | None:
         [
             (i, j)
             for i, j, e in _events(stream)
-            if isinstance(e, BlockStored) and later_removed(i, j, e)
+            if isinstance(e, kind) and named_later(i, j, e)
         ],
     )
     if where is None:
         return None
     stream[where[0]][1].pop(where[1])
-    return UNKNOWN_REMOVAL
+    return outcome
+
+
+def drop_a_store_later_removed(stream: list, draw: Any) -> str | None:
+    return _drop_one_named_later(
+        stream, draw, BlockStored, BlockRemoved, UNKNOWN_REMOVAL
+    )
 
 
 def drop_a_removal_stored_again(stream: list, draw: Any) -> str | None:
-    def stored_again(i: int, j: int, e: Any) -> bool:
-        return any(
-            isinstance(s, BlockStored)
-            and s.medium == e.medium
-            and set(s.block_hashes) & set(e.block_hashes)
-            for _k, _m, s in _after(stream, i, j)
-        )
-
-    where = _pick(
-        draw,
-        [
-            (i, j)
-            for i, j, e in _events(stream)
-            if isinstance(e, BlockRemoved) and stored_again(i, j, e)
-        ],
-    )
-    if where is None:
-        return None
-    stream[where[0]][1].pop(where[1])
-    return DUPLICATE
+    return _drop_one_named_later(stream, draw, BlockRemoved, BlockStored, DUPLICATE)
 
 
 def move_a_child_before_its_parent(stream: list, draw: Any) -> str | None:

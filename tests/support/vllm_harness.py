@@ -73,8 +73,10 @@ def stored(
     )
 
 
-def removed(h: int | bytes, *, group: int | None = None) -> BlockRemoved:
-    return BlockRemoved(block_hashes=[h], medium="GPU", group_idx=group)
+def removed(
+    h: int | bytes, *, group: int | None = None, medium: str | None = "GPU"
+) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[h], medium=medium, group_idx=group)
 
 
 def cleared() -> AllBlocksCleared:

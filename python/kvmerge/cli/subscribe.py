@@ -26,7 +26,7 @@ import collections
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvmerge.streamcheck import StreamCheck, Summary
@@ -113,24 +113,19 @@ def _nonnegative_float(text: str) -> float:
     return value
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer, ``minimum`` or more."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}: {text!r}")
+        return value
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
+    return parse
 
 
 def _endpoint(text: str) -> str:
@@ -207,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batches",
         metavar="N",
-        type=_positive_int,
+        type=_int_at_least(1),
         default=None,
         help="stop after N batches",
     )
@@ -260,7 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-batches",
         metavar="N",
-        type=_nonnegative_int,
+        type=_int_at_least(0),
         default=0,
         help="with --check: fewer than N batches fails the check (default 0)",
     )
