@@ -71,6 +71,15 @@ def refused_step(c: Cluster, ranks: list[int]) -> str:
     return "\n".join(lines)
 
 
+def kvmerge_warnings(caplog) -> list[str]:
+    """kvmerge's log lines of WARNING and above, in order."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("vllm.kvmerge") and r.levelno >= logging.WARNING
+    ]
+
+
 def chain(n: int, start: int = 1) -> list:
     """n stores, each the parent of the next."""
     return [stored(h, h - 1 if h > start else None) for h in range(start, start + n)]
@@ -693,11 +702,7 @@ def test_worker_loss_is_logged_once_per_incident(bus, vllm_caplog):
         for r in (0,) if lost else (0, 1):
             c.emit(r, 0, [stored(step)])
         c.bus.publish(c.schedule(c.aggregate(ranks=[0] if lost else [0, 1])))
-    lines = [
-        r.getMessage()
-        for r in vllm_caplog.records
-        if r.name.startswith("vllm.kvmerge") and r.levelno >= logging.WARNING
-    ]
+    lines = kvmerge_warnings(vllm_caplog)
     assert len(lines) == 2, lines
     assert "step 1: rank(s) [1] sent no output" in lines[0]
     assert "is over" in lines[1]
@@ -730,11 +735,7 @@ def test_every_line_names_the_output_mergers_step(bus, vllm_caplog):
     for r in (0, 1):  # merged step 2: every rank agrees again
         c.emit(r, 0, [stored(4)])
     assert c.step() == [stored(4)]
-    lines = [
-        r.getMessage()
-        for r in vllm_caplog.records
-        if r.name.startswith("vllm.kvmerge") and r.levelno >= logging.WARNING
-    ]
+    lines = kvmerge_warnings(vllm_caplog)
     assert len(lines) == 5, lines
     assert "step 1: dropped rank ?'s batch: the aggregated events are a " in lines[0]
     assert "step 1: dropped rank 0's batch: a second output claims rank 0" in lines[1]
