@@ -139,7 +139,7 @@ class ChildDiff:
 
 
 def rule_of(family: str) -> tuple[Rule, list[int] | None]:
-    rule = bench_children.FAMILIES[family][1]
+    rule = bench_children.CHILDREN[family][1]
     factors = list(bench_children.MOONCAKE_FACTORS) if rule == "quorum" else None
     return rule, factors
 

@@ -47,7 +47,7 @@ MODULE = __name__
 #: child family -> (connector class name in this module, rule kvmerge applies:
 #: a registered family's own, ``kvmerge.vllm.families``; the third-party
 #: list's by its ``kv_events_merge`` override)
-FAMILIES: dict[str, tuple[str, Rule]] = {
+CHILDREN: dict[str, tuple[str, Rule]] = {
     "lmcache": ("BenchLMCacheConnector", BY_NAME["lmcache"].rule),
     "mooncake": ("BenchMooncakeConnector", BY_NAME["mooncake"].rule),
     "list": ("BenchListConnector", "all"),

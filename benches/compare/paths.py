@@ -56,7 +56,7 @@ WORKER = KVConnectorRole.WORKER
 
 def bench_entry(family: str) -> dict[str, Any]:
     """The ``connectors`` entry of the benchmark's child of ``family``."""
-    cls_name, rule = bench_children.FAMILIES[family]
+    cls_name, rule = bench_children.CHILDREN[family]
     extra: dict[str, Any] = {}
     if family == "list":
         # An unknown container: kvmerge merges it only when told a rule.

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmerge.sim import FAMILIES
+from kvmerge.sim import FAMILY_NAMES
 from kvmerge.sim.children import SIMULATED
 
 pytestmark = pytest.mark.vllm
@@ -35,7 +35,9 @@ pytestmark = pytest.mark.vllm
 CMD = [sys.executable, "-m", "kvmerge"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 #: The demo's default children (the families this vLLM has) and their media.
-MEDIA = {SIMULATED[name].cls.__name__: SIMULATED[name].cls.MEDIUM for name in FAMILIES}
+MEDIA = {
+    SIMULATED[name].cls.__name__: SIMULATED[name].cls.MEDIUM for name in FAMILY_NAMES
+}
 CONNECTORS = tuple(MEDIA)
 
 

@@ -79,7 +79,7 @@ def test_a_family_this_vllm_lacks_is_absent_everywhere(name):
         # Recognised nowhere, yet its name stays a family a scheduler accepts
         # (a worker of another release could only be misconfigured).
         assert name in ENCODED
-    assert name not in kvmerge.sim.FAMILIES
+    assert name not in kvmerge.sim.FAMILY_NAMES
     assert name not in sim_children.FAMILY
 
 
@@ -173,7 +173,7 @@ def test_every_family_has_its_simulated_child_and_the_defaults_are_the_present_o
         # A "quorum" family's child carries factors; no other's does.
         assert (sim.cls.factors(4) is None) == (info.factors is None)
         assert sim.cls.SCHEDULER is sim_children.scheduler_for(info)
-    assert tuple(PRESENT) == kvmerge.sim.FAMILIES
+    assert tuple(PRESENT) == kvmerge.sim.FAMILY_NAMES
     assert list(sim_children.FAMILY) == PRESENT
 
 
@@ -181,7 +181,7 @@ def test_the_test_and_bench_children_follow_the_registry():
     assert set(vllm_children.FAMILY_OF.values()) == set(BY_NAME)
     for cls_name, family in vllm_children.FAMILY_OF.items():
         assert family == getattr(vllm_children, cls_name).FAMILY
-    for family, (cls_name, rule) in bench_children.FAMILIES.items():
+    for family, (cls_name, rule) in bench_children.CHILDREN.items():
         cls = getattr(bench_children, cls_name)
         if family in BY_NAME:
             assert family == cls.FAMILY and rule == BY_NAME[family].rule

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvmerge.sim import FAMILIES, routing
+from kvmerge.sim import FAMILY_NAMES, routing
 from kvmerge.sim.routing import Match, RouterModel
 from kvmerge.sim.tier import Block, Faults, Removed, Reporter, Stored, Tier
 from kvmerge.vllm.families import available
@@ -198,7 +198,7 @@ def test_the_stream_is_exactly_what_the_rules_publish():
     assert {"GPU", *media} <= set(result.by_medium)
     assert len(result.expected) > 1000
     # Every rule had work: reports waited, expired and were cleared.
-    stats = dict(zip(FAMILIES, result.merge_stats, strict=True))
+    stats = dict(zip(FAMILY_NAMES, result.merge_stats, strict=True))
     lmcache, mooncake = stats["lmcache"], stats["mooncake"]
     assert lmcache and lmcache["expired"] > 0 and lmcache["cleared"] > 0
     assert mooncake and mooncake["published"] > 0

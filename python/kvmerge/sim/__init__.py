@@ -28,4 +28,4 @@ from kvmerge.vllm.families import available_names
 #: The simulated connector families (``kvmerge.sim.children.FAMILY``) of the
 #: running vLLM, in their default order: the families of
 #: ``kvmerge.vllm.families`` whose module it has (found without importing it).
-FAMILIES: Final = available_names()
+FAMILY_NAMES: Final = available_names()

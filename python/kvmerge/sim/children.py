@@ -58,7 +58,7 @@ from kvmerge import Rule
 from kvmerge.vllm.config import MERGE_KEY, ChildRule
 from kvmerge.vllm.families import BY_NAME, FamilyInfo
 
-from . import FAMILIES
+from . import FAMILY_NAMES
 from .model import child_entry
 from .record import RECORD_KEY, Recorder, TruthRecorder, replica_folder
 from .tier import Block, Chain, Change, Faults, Removed, Reporter, Stored, Tier
@@ -506,7 +506,7 @@ def events(
 
 
 @dataclass(frozen=True)
-class Family:
+class SimFamily:
     """A simulated family: its child class, the faults its ranks show, and
     its tier's default capacity (blocks: the families differ in size, so
     their tiers differ in content). Its rule is the family's
@@ -525,14 +525,14 @@ _ALL_FAULTS: Final = {"late": True, "lost": True, "repeat": True}
 #: Every registered family's simulated child (its test child: a family
 #: without one fails tests/plugin/test_families.py).
 SIMULATED: Final = {
-    "lmcache": Family(SimLMCache, _ALL_FAULTS, 96),
-    "mooncake": Family(SimMooncake, _ALL_FAULTS, 192),
+    "lmcache": SimFamily(SimLMCache, _ALL_FAULTS, 96),
+    "mooncake": SimFamily(SimMooncake, _ALL_FAULTS, 192),
     # A pool shared by the ranks: they report the same events.
-    "umbp": Family(SimUMBP, {"repeat": True}, 32),
+    "umbp": SimFamily(SimUMBP, {"repeat": True}, 32),
 }
-#: The simulated families of the running vLLM, in ``kvmerge.sim.FAMILIES``'
+#: The simulated families of the running vLLM, in ``kvmerge.sim.FAMILY_NAMES``'
 #: order.
-FAMILY: Final = {name: SIMULATED[name] for name in FAMILIES if name in SIMULATED}
+FAMILY: Final = {name: SIMULATED[name] for name in FAMILY_NAMES if name in SIMULATED}
 
 
 def entry(

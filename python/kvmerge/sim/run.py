@@ -26,7 +26,7 @@ from kvmerge import DEFAULT_MAX_PENDING_STEPS
 from kvmerge.streamcheck import StreamCheck, Summary, Violation
 from kvmerge.vllm.config import MAX_PENDING_KEY, ChildRule
 
-from . import FAMILIES
+from . import FAMILY_NAMES
 from .expect import Expected, same_events
 from .requests import Arrivals
 from .routing import Lookups, RouterCheck, RouterModel
@@ -38,7 +38,7 @@ class Options:
     steps: int = 500
     rate: float = 1.0
     seed: int = 0
-    families: tuple[str, ...] = FAMILIES
+    families: tuple[str, ...] = FAMILY_NAMES
     clear_every: int = 150
     max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS
     #: GPU KV cache blocks: small, so that blocks are evicted and requests

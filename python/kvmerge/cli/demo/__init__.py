@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Final
 
-from kvmerge.sim import FAMILIES
+from kvmerge.sim import FAMILY_NAMES
 from kvmerge.sim.server import PYTHON_ENV
 from kvmerge.vllm import families
 
@@ -58,10 +58,10 @@ def _float_in(lo: float, hi: float) -> Callable[[str], float]:
 
 def _connectors(text: str) -> tuple[str, ...]:
     families = tuple(k.strip().lower() for k in text.split(",") if k.strip())
-    unknown = [k for k in families if k not in FAMILIES]
+    unknown = [k for k in families if k not in FAMILY_NAMES]
     if unknown or not families:
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of {', '.join(FAMILIES)}: {text!r}"
+            f"expected a comma-separated list of {', '.join(FAMILY_NAMES)}: {text!r}"
         )
     if len(set(families)) != len(families):
         raise argparse.ArgumentTypeError(f"a connector is listed twice: {text!r}")
@@ -242,13 +242,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--connectors",
         action=_Given,
         type=_connectors,
-        default=FAMILIES,
+        default=FAMILY_NAMES,
         metavar="LIST",
         help="simulated child connectors, in order: any of "
         + ", ".join(
             f"{f.name} (rule {f.rule}, medium {f.medium})" for f in families.available()
         )
-        + f" (default {','.join(FAMILIES)}; mooncake's group 0 is replicated "
+        + f" (default {','.join(FAMILY_NAMES)}; mooncake's group 0 is replicated "
         "on 2 ranks)",
     )
     sim.add_argument(
