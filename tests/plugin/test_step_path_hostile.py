@@ -7,8 +7,9 @@ through ``WorkerOutput._from_wire`` (as unpickling does) with anything beside
 them as natives; real outputs whose header says what no worker of this
 cluster would (any rank, seq gaps, another number of children, unknown
 families, bad replication factors, refused entries, foreign containers, odd
-settings), or with one child's batch damaged; and anything at all in an
-output's place. They go, beside a good output of rank 0, to the real
+settings), or with one child's batch damaged; anything at all in an
+output's place; and a native child's containers raising in any method the
+scheduler's combining calls, on any ranks. They go, beside a good output of rank 0, to the real
 scheduler connector as vLLM's aggregator would hand them. Nothing may raise,
 rank 0's store must still publish under rule "any", and every output the
 step cannot take is counted on every child.
@@ -474,6 +475,72 @@ def test_a_native_container_that_raises_is_refused_not_raised(
     )
     assert bus.publish(list(c.scheduler.take_events())) == list(events.values())
     assert native.refused == before + 1
+
+
+#: What a rank's native container does: nothing wrong, or raise in one of
+#: the methods the scheduler's combining calls.
+_FAILS = (None, "get_all_events", "add_events", "increment_workers", "__bool__")
+
+
+@st.composite
+def raising_steps(draw: Any) -> dict[int, str | None]:
+    """The ranks of a TP 3 world that send a container (at least one), each
+    with what its container does. The first one's ``get_all_events`` never
+    raises: the child's own scheduler reads the combined container with it,
+    the child's code and not kvmerge's (upstream's too)."""
+    ranks = draw(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True))
+    step = {r: draw(st.sampled_from(_FAILS)) for r in sorted(ranks)}
+    first = min(step)
+    if step[first] == "get_all_events":
+        step[first] = None
+    return step
+
+
+def combined_by_the_rules(step: dict[int, str | None]) -> tuple[list[int], int]:
+    """What native.py's docstring says the child gets, written from it: the
+    ranks whose events reach the child's scheduler, and the refusals. A
+    container that raises while read is that rank's refusal; the first one
+    (the others are combined into it) raising costs the child's step."""
+    first, *others = sorted(step)
+    kept, refused = [first], 0
+    for rank in others:
+        if step[rank] in ("__bool__", "get_all_events"):
+            refused += 1
+            continue
+        if step[first] in ("add_events", "increment_workers"):
+            return [], refused + 1
+        kept.append(rank)
+    if step[first] == "__bool__":
+        return [], refused + 1
+    return kept, refused
+
+
+@settings(max_examples=60, deadline=None)
+@given(step=raising_steps())
+def test_no_native_container_makes_the_step_path_raise(bus, step):
+    """Hypothesis: a native child's containers raising in any method the
+    combining calls, on any ranks: the step never raises, the child gets the
+    events of exactly the ranks the rules keep, each refusal is counted, and
+    the next step merges as before."""
+    register()
+    tp = 3
+    c = Cluster([child("ThirdPartyConnector", test_min_reports=1)], bus, tp=tp)
+    (native,) = c.scheduler._children
+    events = {r: stored(r + 1) for r in range(tp)}
+    outputs = [
+        WorkerOutput(r, 0, [_RaisingList([events[r]], f)]) for r, f in step.items()
+    ]
+    c.scheduler.update_connector_output(
+        KVConnectorOutput(kv_cache_events=KVMergeKVEvents(outputs, num_workers=tp))
+    )
+    kept, refused = combined_by_the_rules(step)
+    assert bus.publish(list(c.scheduler.take_events())) == [events[r] for r in kept]
+    assert native.refused == refused
+    outputs = [WorkerOutput(r, 1, [_RaisingList([events[r]])]) for r in range(tp)]
+    c.scheduler.update_connector_output(
+        KVConnectorOutput(kv_cache_events=KVMergeKVEvents(outputs, num_workers=tp))
+    )
+    assert bus.publish(list(c.scheduler.take_events())) == list(events.values())
 
 
 def test_a_worker_container_that_raises_costs_its_part_only(bus, vllm_caplog):
