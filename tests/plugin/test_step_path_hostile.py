@@ -7,12 +7,13 @@ through ``WorkerOutput._from_wire`` (as unpickling does) with anything beside
 them as natives; real outputs whose header says what no worker of this
 cluster would (any rank, seq gaps, another number of children, unknown
 families, bad replication factors, refused entries, foreign containers, odd
-settings), or with one child's batch damaged; anything at all in an
-output's place; and a native child's containers raising in any method the
-scheduler's combining calls, on any ranks. They go, beside a good output of rank 0, to the real
+settings), or with one child's batch damaged; and anything at all in an
+output's place. They go, beside a good output of rank 0, to the real
 scheduler connector as vLLM's aggregator would hand them. Nothing may raise,
 rank 0's store must still publish under rule "any", and every output the
-step cannot take is counted on every child.
+step cannot take is counted on every child. Likewise a native child's
+containers raising in any method the scheduler's combining calls, on any
+ranks.
 """
 
 from __future__ import annotations

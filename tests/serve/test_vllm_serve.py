@@ -13,7 +13,9 @@ Dynamo fails the test; nothing here is skipped.
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -43,16 +45,46 @@ DAMAGE_EVERY = 3
 VLLMS_OWN_LEFTOVERS = re.compile(r"^vllm_dist_\w+-tp:0-\[0-1\]-cpushm_[01]$")
 
 
+@contextmanager
+def kept_if_a_test_fails(
+    request: pytest.FixtureRequest, opts: ServedOptions, router: object = None
+) -> Iterator[ServedResult]:
+    """A run for a module's tests: its folder (the server's log, the ranks'
+    records) is removed after them unless one of them failed (a check, or an
+    assertion on the result), and then named in the test report."""
+    failed = request.session.testsfailed
+    result = serve_run(opts, router, keep=True)
+    try:
+        yield result
+    finally:
+        if request.session.testsfailed > failed:
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(
+                    f"kvmerge: a test of this run failed; its server log and "
+                    f"records are kept in {result.kept}"
+                )
+        elif result.kept is not None:
+            shutil.rmtree(result.kept, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def ours(dynamo_python: str) -> Iterator[ServedResult]:
+def ours(request, dynamo_python: str) -> Iterator[ServedResult]:
     cpu_python()  # a missing venv fails here, with how to make one
-    with DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer:
-        yield serve_run(ServedOptions(damage=DAMAGE_EVERY), indexer)
+    with (
+        DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer,
+        kept_if_a_test_fails(
+            request, ServedOptions(damage=DAMAGE_EVERY), indexer
+        ) as run,
+    ):
+        yield run
 
 
 @pytest.fixture(scope="module")
-def upstream() -> ServedResult:
-    return serve_run(ServedOptions(connector=UPSTREAM, damage=DAMAGE_EVERY))
+def upstream(request) -> Iterator[ServedResult]:
+    opts = ServedOptions(connector=UPSTREAM, damage=DAMAGE_EVERY)
+    with kept_if_a_test_fails(request, opts) as run:
+        yield run
 
 
 #: Every check of a run with a router; a run without one has all but the
@@ -170,10 +202,12 @@ def test_each_server_stopped_and_left_only_vllms_own_segments(ours, upstream):
 
 
 @pytest.fixture(scope="module")
-def native() -> ServedResult:
+def native(request) -> Iterator[ServedResult]:
     """The same children and requests, each child under its own family's
     rule (vLLM's path, ``"kv_events_merge": "native"``)."""
-    return serve_run(ServedOptions(rule="native", damage=DAMAGE_EVERY))
+    opts = ServedOptions(rule="native", damage=DAMAGE_EVERY)
+    with kept_if_a_test_fails(request, opts) as run:
+        yield run
 
 
 def _shares(run: ServedResult) -> dict[tuple[int, str], float]:
@@ -211,11 +245,15 @@ def test_the_routers_view_of_each_tier_is_measured_against_the_truth(
 
 
 @pytest.fixture(scope="module")
-def quorum_of_two(dynamo_python: str) -> Iterator[ServedResult]:
+def quorum_of_two(request, dynamo_python: str) -> Iterator[ServedResult]:
     """TP 4: the Mooncake child's group 0 replicated on 2 ranks, so that
     ``"quorum"`` needs 2 ranks' reports of a store."""
-    with DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer:
-        yield serve_run(ServedOptions(tp=4, damage=DAMAGE_EVERY), indexer)
+    opts = ServedOptions(tp=4, damage=DAMAGE_EVERY)
+    with (
+        DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer,
+        kept_if_a_test_fails(request, opts, indexer) as run,
+    ):
+        yield run
 
 
 @pytest.mark.parametrize("name", CHECKS)
@@ -237,9 +275,13 @@ def test_at_tp_4_the_mooncake_child_needs_two_ranks(quorum_of_two):
 
 
 @pytest.fixture(scope="module")
-def replicas(dynamo_python: str) -> Iterator[ServedResult]:
-    with DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer:
-        yield serve_run(ServedOptions(tp=1, dp=2, requests=32), indexer)
+def replicas(request, dynamo_python: str) -> Iterator[ServedResult]:
+    opts = ServedOptions(tp=1, dp=2, requests=32)
+    with (
+        DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer,
+        kept_if_a_test_fails(request, opts, indexer) as run,
+    ):
+        yield run
 
 
 @pytest.mark.parametrize("name", CHECKS)

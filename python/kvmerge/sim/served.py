@@ -183,8 +183,8 @@ class ServedResult:
     #: ``/reset_prefix_cache`` calls, and those that answered ``success``.
     resets: int = 0
     resets_ok: int = 0
-    #: Where the run's server log and records were kept (a failed run's;
-    #: None: removed).
+    #: Where the run's server log and records were kept (a failed run's, or
+    #: every run's with ``serve_run(keep=True)``); None: removed.
     kept: Path | None = None
     #: After each wave, each child's tier as the router holds it against the
     #: truth.
@@ -709,9 +709,13 @@ class ServedRun:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def serve_run(opts: ServedOptions, router: Any = None) -> ServedResult:
+def serve_run(
+    opts: ServedOptions, router: Any = None, keep: bool = False
+) -> ServedResult:
     """One run; a run that raises or fails a check keeps its folder (the
-    server's log, the ranks' records) and names it."""
+    server's log, the ranks' records) and names it (``ServedResult.kept``).
+    ``keep``: keep it whatever the checks say, for a caller that judges the
+    result further (and removes the folder when that passes too)."""
     r = ServedRun(opts, router)
     try:
         result = r.run()
@@ -719,9 +723,9 @@ def serve_run(opts: ServedOptions, router: Any = None) -> ServedResult:
         r.close(keep=True)
         e.add_note(f"the run's server log and records are kept in {r.dir}")
         raise
-    failed = any(not c.ok for c in result.checks())
-    r.close(keep=failed)
-    if failed:
+    kept = keep or any(not c.ok for c in result.checks())
+    r.close(keep=kept)
+    if kept:
         result.kept = r.dir
     return result
 
