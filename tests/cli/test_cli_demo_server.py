@@ -13,6 +13,7 @@ import argparse
 import re
 import shlex
 import signal
+from pathlib import Path
 
 import pytest
 from test_cli_demo import Running, assert_all_gone, descendants, kvmerge, number
@@ -227,6 +228,11 @@ def test_ctrl_c_while_serving_stops_the_server():
     assert run.proc.returncode == 130, out
     assert "interrupted: vllm serve stopped, shared memory released" in out
     assert_all_gone(family)
+    # The user's stop keeps nothing behind: the run's folder is gone.
+    folder = re.search(r"vllm serve (/\S+)/kvmerge-served-", out)
+    assert folder, out
+    assert not Path(folder.group(1)).exists(), out
+    assert "are kept in" not in out, out
 
 
 def _cmdlines(family: dict[int, str]) -> list[str]:

@@ -212,8 +212,10 @@ class _ServedDemo:
             if "error" in out and run.server is not None:
                 tail = run.server.log_tail(LOG_TAIL)
             result = out.get("result")
-            failed = "error" in out or (
-                result is not None and any(not c.ok for c in result.checks())
+            # An interrupted run is the user's stop, not a failure to keep.
+            failed = not self.interrupt and (
+                "error" in out
+                or (result is not None and any(not c.ok for c in result.checks()))
             )
             run.close(keep=failed)
             if failed:
