@@ -154,6 +154,24 @@ def wait_replayable(sub, last_seq: int) -> None:
         time.sleep(0.05)
 
 
+def subscribe_all(cfg, batches: int) -> list[str]:
+    """``kvmerge subscribe``'s arguments for ``batches`` batches of a
+    publisher with config ``cfg``: its history replayed, then live ones."""
+    return [
+        "subscribe",
+        cfg.endpoint,
+        "--replay",
+        cfg.replay_endpoint,
+        "--topic",
+        "kv",
+        "--history",
+        "--batches",
+        str(batches),
+        "--duration",
+        "60",
+    ]
+
+
 def published_config(pub, last_seq: int):
     """``pub``'s config, once it has sent ``last_seq`` (asked by a probe)."""
     from kvmerge.subscriber import EventSubscriber
@@ -348,17 +366,7 @@ def test_the_command_reads_vllms_publisher_without_importing_vllm(publisher, tmp
     cfg = published_config(pub, 2)
     jsonl = tmp_path / "stream.jsonl"
     proc = watched(
-        "subscribe",
-        cfg.endpoint,
-        "--replay",
-        cfg.replay_endpoint,
-        "--topic",
-        "kv",
-        "--history",
-        "--batches",
-        "6",
-        "--duration",
-        "60",
+        *subscribe_all(cfg, 6),
         "--jsonl",
         str(jsonl),
         "--plain",
@@ -468,17 +476,7 @@ def run_check(publisher, sent: list) -> tuple[int, list[dict], str]:
         pub.publish(b)
     cfg = published_config(pub, len(sent) - 1)
     proc = watched(
-        "subscribe",
-        cfg.endpoint,
-        "--replay",
-        cfg.replay_endpoint,
-        "--topic",
-        "kv",
-        "--history",
-        "--batches",
-        str(len(sent)),
-        "--duration",
-        "60",
+        *subscribe_all(cfg, len(sent)),
         "--check",
         "--json",
         "--min-batches",
