@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 
@@ -47,43 +47,46 @@ VLLMS_OWN_LEFTOVERS = re.compile(r"^vllm_dist_\w+-tp:0-\[0-1\]-cpushm_[01]$")
 
 @contextmanager
 def kept_if_a_test_fails(
-    request: pytest.FixtureRequest, opts: ServedOptions, router: object = None
+    request: pytest.FixtureRequest, opts: ServedOptions, dynamo_python: str | None
 ) -> Iterator[ServedResult]:
-    """A run for a module's tests: its folder (the server's log, the ranks'
+    """A run for a module's tests, read by Dynamo's indexer when
+    ``dynamo_python`` is given: its folder (the server's log, the ranks'
     records) is removed after them unless one of them failed (a check, or an
     assertion on the result), and then named in the test report."""
-    failed = request.session.testsfailed
-    result = serve_run(opts, router, keep=True)
-    try:
-        yield result
-    finally:
-        if request.session.testsfailed > failed:
-            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(
-                    f"kvmerge: a test of this run failed; its server log and "
-                    f"records are kept in {result.kept}"
-                )
-        elif result.kept is not None:
-            shutil.rmtree(result.kept, ignore_errors=True)
+    with ExitStack() as stack:
+        router = (
+            None
+            if dynamo_python is None
+            else stack.enter_context(DynamoIndexer(dynamo_python, BLOCK_SIZE))
+        )
+        failed = request.session.testsfailed
+        result = serve_run(opts, router, keep=True)
+        try:
+            yield result
+        finally:
+            if request.session.testsfailed > failed:
+                reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+                if reporter is not None:
+                    reporter.write_line(
+                        f"kvmerge: a test of this run failed; its server log and "
+                        f"records are kept in {result.kept}"
+                    )
+            elif result.kept is not None:
+                shutil.rmtree(result.kept, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def ours(request, dynamo_python: str) -> Iterator[ServedResult]:
     cpu_python()  # a missing venv fails here, with how to make one
-    with (
-        DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer,
-        kept_if_a_test_fails(
-            request, ServedOptions(damage=DAMAGE_EVERY), indexer
-        ) as run,
-    ):
+    opts = ServedOptions(damage=DAMAGE_EVERY)
+    with kept_if_a_test_fails(request, opts, dynamo_python) as run:
         yield run
 
 
 @pytest.fixture(scope="module")
 def upstream(request) -> Iterator[ServedResult]:
     opts = ServedOptions(connector=UPSTREAM, damage=DAMAGE_EVERY)
-    with kept_if_a_test_fails(request, opts) as run:
+    with kept_if_a_test_fails(request, opts, None) as run:
         yield run
 
 
@@ -206,7 +209,7 @@ def native(request) -> Iterator[ServedResult]:
     """The same children and requests, each child under its own family's
     rule (vLLM's path, ``"kv_events_merge": "native"``)."""
     opts = ServedOptions(rule="native", damage=DAMAGE_EVERY)
-    with kept_if_a_test_fails(request, opts) as run:
+    with kept_if_a_test_fails(request, opts, None) as run:
         yield run
 
 
@@ -249,10 +252,7 @@ def quorum_of_two(request, dynamo_python: str) -> Iterator[ServedResult]:
     """TP 4: the Mooncake child's group 0 replicated on 2 ranks, so that
     ``"quorum"`` needs 2 ranks' reports of a store."""
     opts = ServedOptions(tp=4, damage=DAMAGE_EVERY)
-    with (
-        DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer,
-        kept_if_a_test_fails(request, opts, indexer) as run,
-    ):
+    with kept_if_a_test_fails(request, opts, dynamo_python) as run:
         yield run
 
 
@@ -277,10 +277,7 @@ def test_at_tp_4_the_mooncake_child_needs_two_ranks(quorum_of_two):
 @pytest.fixture(scope="module")
 def replicas(request, dynamo_python: str) -> Iterator[ServedResult]:
     opts = ServedOptions(tp=1, dp=2, requests=32)
-    with (
-        DynamoIndexer(dynamo_python, BLOCK_SIZE) as indexer,
-        kept_if_a_test_fails(request, opts, indexer) as run,
-    ):
+    with kept_if_a_test_fails(request, opts, dynamo_python) as run:
         yield run
 
 
