@@ -7,7 +7,11 @@ import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = [
+    "FACTORS_KEY",
+    "MERGE_KEY",
     "CapacityError",
+    "ChildConfig",
+    "ChildStep",
     "ConfigError",
     "CorruptBatchError",
     "EventBatch",
@@ -32,8 +36,15 @@ __all__ = [
 #: The version of the kvmerge-py crate, the Cargo workspace's version.
 __version__: str
 
+#: The key of a child's rule in its `kv_connector_extra_config`.
+MERGE_KEY: str
+#: The key of a child's replication factors (rule "quorum").
+FACTORS_KEY: str
+
 _Event = BlockStored | BlockRemoved | AllBlocksCleared
 _Rule = Literal["all", "quorum", "any"]
+#: A child's rule: a merger's, or its own container's ("native").
+_ChildRule = Literal["all", "quorum", "any", "native"]
 _EventClass = Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"]
 #: The names of `_refusal_kinds()`, in its order (tests/plugin/test_refusals.py).
 _RefusalKind = Literal[
@@ -359,74 +370,114 @@ class Refusal:
     def detail(self) -> str: ...
 
 @final
+class ChildStep:
+    """What one step gave one child of an `OutputMerger`."""
+
+    @property
+    def events(self) -> list[Any] | None:
+        """A merged child's events that became complete (`msgspec.Raw` views,
+        or objects); None for a native child, before it has a merger, or when
+        they are lost."""
+
+    @property
+    def removed(self) -> list[BlockRemoved] | None:
+        """For a child with a removal hook whose events are views: its
+        `BlockRemoved` events decoded (the hook's input); else None."""
+
+    @property
+    def natives(self) -> list[tuple[int, Any]] | None:
+        """A native child's containers, `(rank, container)` in rank order;
+        None for any other child."""
+
+    @property
+    def lost(self) -> str | None:
+        """Why this step's merged events are lost (they do not decode), or
+        None."""
+
+    @property
+    def started(self) -> bool:
+        """Whether this step made the child's merger (from a first batch)."""
+
+@final
 class StepResult:
-    """One step of an `OutputMerger`, per child in config order."""
+    """One step of an `OutputMerger`."""
 
     @property
     def step(self) -> int:
-        """This step's number (0 for the merger's first)."""
+        """This step's number (0 for the merger's first): the one every log
+        line, metric and refusal about it names."""
 
     @property
     def ranks(self) -> list[int]:
         """The ranks whose outputs were taken, ascending."""
 
     @property
-    def events(self) -> list[list[Any] | None]:
-        """Per merged child: its merged events (`msgspec.Raw` views, or
-        objects), None when it has no merger yet or lost them."""
+    def children(self) -> list[ChildStep]:
+        """Per child, in config order: what the step gave it."""
 
     @property
-    def removed(self) -> list[list[BlockRemoved] | None]:
-        """Per child with a removal hook whose events are views: the
-        step's removals, decoded; else None."""
+    def refusals(self) -> list[Refusal]:
+        """Every refusal of the step: whole outputs first, then child by
+        child."""
 
-    @property
-    def natives(self) -> list[list[tuple[int, Any]] | None]:
-        """Per native child: `(rank, container)` of the workers that sent one,
-        in rank order."""
-
-    @property
-    def lost(self) -> list[str | None]:
-        """Per child: why its merged events of this step could not be given
-        out (they do not decode), else None."""
-
-    @property
-    def refusals(self) -> list[Refusal]: ...
     @property
     def gaps(self) -> list[tuple[int, int, int]]:
-        """`(rank, first, last)`: the `seq`s of a rank's outputs that never
-        arrived."""
+        """`(rank, first, last)`: a rank's outputs `first..last` (by `seq`)
+        that never arrived."""
 
     @property
     def expired(self) -> int:
-        """Pending reports that expired in this step, all children."""
+        """Reports that expired in this step, over all children."""
 
+@final
+class ChildConfig:
+    """A child's configured rule (None: inferred from its container's
+    family) and replication factors, checked once for the worker and the
+    scheduler (`kvmerge_core::step::ChildConfig`). `ConfigError` naming the
+    setting when they cannot work: a rule that is none, factors that are not
+    a non-empty list of integers >= 1, factors for a rule other than
+    "quorum"."""
+
+    def __new__(cls, rule: object = None, factors: object = None) -> ChildConfig: ...
     @property
-    def started(self) -> list[int]:
-        """The children whose merger this step made (from a first batch)."""
+    def rule(self) -> _ChildRule | None: ...
+    @property
+    def factors(self) -> tuple[int, ...] | None: ...
+    def rule_for(self, implied: _ChildRule) -> _ChildRule:
+        """The rule for a container whose family implies `implied`: the
+        configured one wins."""
+
+    def plan(
+        self, implied: _ChildRule, reported: Sequence[int] | None = None
+    ) -> tuple[_Rule, tuple[int, ...] | None] | None:
+        """How a container whose family implies `implied`, and which reported
+        `reported` factors, is merged: its rule and the factors "quorum" uses
+        (configured factors win); None when no merger takes it (rule
+        "native", or "quorum" without valid factors)."""
 
 @final
 class OutputMerger:
     """`KVMergeMultiConnector`'s scheduler step: every check of the workers'
-    outputs and of each child's part of them, and every merge, in one call.
+    outputs and of each child's part of them, and every merge, in one call
+    (`kvmerge_core::step`).
 
-    `families` maps each encoded family to the rule it implies; each child is
-    `(label, rule, factors, objects, hook)`: its configured rule (None:
-    inferred from its first container) and replication factors, whether its
-    events leave as objects, and whether its scheduler has a removal hook.
-    `native_type` is vLLM's `KVConnectorKVEvents`; `keys` the names of the
-    rule and factors settings, for the messages. `ConfigError` (naming the
-    child and the setting) when a configured merger cannot be made."""
+    `settings` are what every worker should believe (rank -1): the world
+    size, and each child's label, rule and factors. `families` maps each
+    encoded family to the rule it implies; `native_type` is vLLM's
+    `KVConnectorKVEvents`; `hooks` says per child whether its scheduler has a
+    removal hook; `objects` whether merged events leave as objects (else as
+    views). `ConfigError` (naming the child and the setting) when a
+    configured merger cannot be made."""
 
     def __new__(
         cls,
-        world_size: int,
-        max_pending_steps: int,
         settings: WorkerSettings,
-        families: dict[str, str],
-        children: Sequence[tuple[str, str | None, Sequence[int] | None, bool, bool]],
+        max_pending_steps: int,
+        families: dict[str, _ChildRule],
         native_type: type,
-        keys: tuple[str, str],
+        hooks: Sequence[bool],
+        *,
+        objects: bool = False,
         guard: bool = True,
     ) -> OutputMerger: ...
     def step(self, outputs: Sequence[object]) -> StepResult:

@@ -747,13 +747,11 @@ def _output_merger() -> OutputMerger:
         "0", 2, -1, True, [("a", None, None), ("b", "quorum", [1])]
     )
     return OutputMerger(
-        2,
-        2,
         settings,
+        2,
         {"lmcache": "all", "other": "native"},
-        [("a", None, None, False, True), ("b", "quorum", [1], True, False)],
         KVConnectorKVEvents,
-        ("merge", "factors"),
+        [True, False],
     )
 
 

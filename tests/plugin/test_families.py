@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 import kvmerge.sim
 from benches.compare import children as bench_children
 from kvmerge import RULES
+from kvmerge._kvmerge import ChildConfig
 from kvmerge.sim import children as sim_children
 from kvmerge.vllm import families
 from kvmerge.vllm.config import CHILD_RULES, ChildSpec
@@ -129,7 +130,7 @@ def test_a_childs_rule_is_defined_for_any_family_string(family, rule):
     """``rule_for`` runs on the worker's step: it cannot raise, whatever family
     a container resolves to (issue 29: a family left out of a table raised
     KeyError there)."""
-    spec = ChildSpec(index=0, name="X", rule=rule, factors=None)
+    spec = ChildSpec(index=0, name="X", config=ChildConfig(rule))
     assert spec.rule_for(family) in CHILD_RULES
 
 

@@ -1,5 +1,5 @@
 """Every kind of refusal the step declares (``refusal_kinds!`` in
-``rust/kvmerge-py/src/step.rs``, ``kvmerge._kvmerge._refusal_kinds()``) is
+``rust/kvmerge-core/src/step/refusal.rs``, ``kvmerge._kvmerge._refusal_kinds()``) is
 produced by some input, with the rank and child it names: one crafted step
 per kind through ``OutputMerger.step``, so the registry and the step cannot
 drift apart.
@@ -20,7 +20,6 @@ import kvmerge
 from kvmerge import ConfigError
 from kvmerge._kvmerge import OutputMerger, WorkerOutput, WorkerSettings, _refusal_kinds
 from kvmerge.sim.children import ListKVEvents
-from kvmerge.vllm.config import FACTORS_KEY, MERGE_KEY
 from kvmerge.vllm.families import implied_rules
 
 pytestmark = pytest.mark.vllm
@@ -42,13 +41,11 @@ def settings(rank: int, version: str = kvmerge.__version__) -> WorkerSettings:
 def fresh() -> OutputMerger:
     """An ``OutputMerger`` as ``KVMergeMultiConnector`` builds one."""
     return OutputMerger(
-        WORLD,
-        32,
         settings(-1),
+        32,
         implied_rules(),
-        [(*c, False, False) for c in CHILDREN],
         KVConnectorKVEvents,
-        (MERGE_KEY, FACTORS_KEY),
+        [False] * len(CHILDREN),
     )
 
 
@@ -133,9 +130,10 @@ CASES: dict[str, Case] = {
         lambda: [output(1, entries=entries(c1=ListKVEvents([stored(3)])))],
         [("family", 1, 1)],
     ),
-    "factors": (
+    # Rule "any" uses no factors: those a container reports are not read.
+    "factors-unused": (
         lambda: [output(1, entries=entries(c0=("umbp", batch(), (0,))))],
-        [("factors", 1, 0)],
+        [],
     ),
     "factors-negative": (
         lambda: [output(1, entries=entries(c2=("mooncake", batch(), (-1,))))],

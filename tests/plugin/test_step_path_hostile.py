@@ -322,18 +322,10 @@ KNOWN_BAD: dict[str, tuple[Any, tuple[int, int], list[Any], str]] = {
         [("encode", 1, 1)],
         "1",
     ),
-    "zero-factor": (
-        lambda: [_plain(1, [("umbp", _batch(), (0,)), None])],
-        (1, 0),
-        [("factors", 1, 0)],
-        "1",
-    ),
-    "negative-factor": (
-        lambda: [_plain(1, [("umbp", _batch(), (-1,)), None])],
-        (1, 0),
-        [("factors", 1, 0)],
-        "1",
-    ),
+    # Factors a container reports are read only where they are used (rule
+    # "quorum" without configured ones): on child 0, rule "any", (0,) is
+    # taken (tests/plugin/test_refusals.py, "factors-unused"; the refused
+    # ones there, "factors-negative" and "factors-missing").
     # Child 0 took batches before: a container where batches came is refused.
     "native-for-a-merged-child": (
         lambda: [_plain(1, [ListKVEvents([stored(3)]), None])],

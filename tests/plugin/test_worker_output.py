@@ -1,5 +1,5 @@
 """A worker's output travels as one buffer (``WorkerOutput``; its layout in
-``rust/kvmerge-py/src/wire.rs``), a native child's container beside it.
+``rust/kvmerge-core/src/step/wire.rs``), a native child's container beside it.
 
 Hypothesis draws outputs and sends them through vLLM's shm pickling, in band
 and out of band: what arrives has the fields that were sent and pickles to

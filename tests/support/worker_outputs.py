@@ -2,7 +2,7 @@
 the scheduler's step path (``tests/plugin/test_step_path_hostile.py``,
 ``test_worker_output.py``, ``test_refusals.py``).
 
-A ``WorkerOutput`` travels as one buffer (``rust/kvmerge-py/src/wire.rs``);
+A ``WorkerOutput`` travels as one buffer (``rust/kvmerge-core/src/step/wire.rs``);
 these helpers damage a real one's buffer (cut, a byte flipped, bytes
 appended, a byte flipped inside one child's batch) and rebuild the output
 with the pickle reconstructor, ``WorkerOutput._from_wire``, as unpickling

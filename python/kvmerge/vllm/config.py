@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias, TypeGuard, get_args
 
 from kvmerge import DEFAULT_MAX_PENDING_STEPS, RULES, ConfigError, Rule
+from kvmerge._kvmerge import FACTORS_KEY, MERGE_KEY, ChildConfig
 
 from .families import Family, default_rule
 
-#: Keys read from a child's ``kv_connector_extra_config``.
-MERGE_KEY: Final = "kv_events_merge"
-FACTORS_KEY: Final = "kv_events_replication_factors"
+__all__ = ["FACTORS_KEY", "MERGE_KEY"]
 #: Keys read from the KVMergeMultiConnector's own ``kv_connector_extra_config``.
 MAX_PENDING_KEY: Final = "max_pending_steps"
 OUTPUT_KEY: Final = "kv_events_output"
@@ -50,27 +49,29 @@ class ChildSpec:
 
     index: int
     name: str
-    #: The configured rule, or None to infer it from the container type.
-    rule: ChildRule | None
-    #: Configured replication factors (rule "quorum"), or None.
-    factors: tuple[int, ...] | None
+    #: Its rule and factors, checked (``kvmerge_core::step::ChildConfig``:
+    #: the worker and the scheduler's step decide with the same code).
+    config: ChildConfig
 
     @property
     def label(self) -> str:
         return f"connectors[{self.index}] ({self.name})"
 
+    @property
+    def rule(self) -> ChildRule | None:
+        """The configured rule, or None to infer it from the container type."""
+        return self.config.rule
+
+    @property
+    def factors(self) -> tuple[int, ...] | None:
+        """Configured replication factors (rule "quorum"), or None."""
+        return self.config.factors
+
     def rule_for(self, family: Family) -> ChildRule:
         """The rule this child merges with, given its container family:
         the configured one, else the one the family implies (the worker, which
         decides whose bytes travel, and the scheduler must agree)."""
-        return self.rule or default_rule(family)
-
-    @property
-    def encodes(self) -> bool | None:
-        """True: always encode; False: always native; None: by container type."""
-        if self.rule is None:
-            return None
-        return self.rule != "native"
+        return self.config.rule_for(default_rule(family))
 
 
 @dataclass(frozen=True)
@@ -94,35 +95,11 @@ def parse_child(index: int, ktc: Mapping[str, Any]) -> ChildSpec:
             f"{_prefix(label)}: kv_connector_extra_config must be a mapping, "
             f"got {type(extra).__name__}"
         )
-    rule = extra.get(MERGE_KEY)
-    if rule is not None and rule not in CHILD_RULES:
-        raise ConfigError(
-            f"{_prefix(label)}: {MERGE_KEY}={rule!r} is not a merge rule; "
-            f"use one of {', '.join(repr(r) for r in CHILD_RULES)}"
-        )
-    raw_factors = extra.get(FACTORS_KEY)
-    factors: tuple[int, ...] | None = None
-    if raw_factors is not None:
-        if (
-            isinstance(raw_factors, str | bytes)
-            or not isinstance(raw_factors, Sequence)
-            or not raw_factors
-            or not all(
-                isinstance(f, int) and not isinstance(f, bool) and f >= 1
-                for f in raw_factors
-            )
-        ):
-            raise ConfigError(
-                f"{_prefix(label)}: {FACTORS_KEY}={raw_factors!r} must be a "
-                "non-empty list of integers >= 1, one per KV cache group"
-            )
-        factors = tuple(raw_factors)
-        if rule not in (None, "quorum"):
-            raise ConfigError(
-                f"{_prefix(label)}: {FACTORS_KEY} is only used by "
-                f"{MERGE_KEY}='quorum', not {MERGE_KEY}={rule!r}"
-            )
-    return ChildSpec(index=index, name=name, rule=rule, factors=factors)
+    try:
+        config = ChildConfig(extra.get(MERGE_KEY), extra.get(FACTORS_KEY))
+    except ConfigError as e:
+        raise ConfigError(f"{_prefix(label)}: {e}") from None
+    return ChildSpec(index=index, name=name, config=config)
 
 
 def parse_multi(extra: Mapping[str, Any]) -> MultiSpec:

@@ -46,11 +46,9 @@ from kvmerge._kvmerge import OutputMerger, StepResult
 
 from .alias import MODULE_PATH, UPSTREAM_NAME
 from .config import (
-    FACTORS_KEY,
     MERGE_KEY,
     ChildSpec,
     MultiSpec,
-    is_merged,
     parse_multi,
 )
 from .container import KVMergeKVEvents, WorkerOutput
@@ -213,23 +211,14 @@ class KVMergeMultiConnector(MultiConnector):
             # Every check and merge of a step (kvmerge._kvmerge.OutputMerger);
             # a configured merger that cannot be made fails here, at start-up.
             self._merger = OutputMerger(
-                self._world_size,
-                spec.max_pending_steps,
-                # What every worker should believe (rank aside).
+                # What every worker should believe (rank aside): each child's
+                # label, rule and factors among it.
                 settings_of(spec, self._world_size, -1, self._events_enabled),
+                spec.max_pending_steps,
                 implied_rules(),
-                [
-                    (
-                        child.label,
-                        child.spec.rule,
-                        child.spec.factors,
-                        spec.output == "objects",
-                        child.invalidate is not None,
-                    )
-                    for child in self._children
-                ],
                 KVConnectorKVEvents,
-                (MERGE_KEY, FACTORS_KEY),
+                [child.invalidate is not None for child in self._children],
+                objects=spec.output == "objects",
                 guard=spec.guard,
             )
             for i in range(len(self._children)):
@@ -261,10 +250,7 @@ class KVMergeMultiConnector(MultiConnector):
             if container is None:
                 continue
             family = container_family(container)
-            encode = spec.encodes
-            if encode is None:
-                encode = is_merged(default_rule(family))
-            if not encode:
+            if spec.rule_for(family) == "native":
                 entries[i] = container
                 continue
             if not self._events_enabled:
@@ -324,17 +310,17 @@ class KVMergeMultiConnector(MultiConnector):
         """This rank's batch of a child's events: every event's record, and
         the bytes only of the events this rank carries under the rule the
         scheduler's merger applies (``kvmerge.encode`` with a rank)."""
-        rule = spec.rule_for(family)
-        factors = spec.factors if spec.factors is not None else reported
-        if not is_merged(rule) or (rule == "quorum" and not factors):
+        plan = spec.config.plan(default_rule(family), reported)
+        if plan is None:
             # No merger can take this batch (the scheduler says why): keep it all.
             return kvmerge.encode(events)
+        rule, factors = plan
         return kvmerge.encode(
             events,
             rank=self.worker_rank,
             world_size=self._world_size,
             rule=rule,
-            replication_factors=list(factors) if rule == "quorum" and factors else None,
+            replication_factors=factors,
         )
 
     # ==============================
@@ -386,25 +372,22 @@ class KVMergeMultiConnector(MultiConnector):
                 last,
             )
             self.lost_outputs += last - first + 1
-        for index in result.started:
-            self._log_merger(index)
         native: list[Any] = []
-        for child, events, removed, natives, lost in zip(
-            children,
-            result.events,
-            result.removed,
-            result.natives,
-            result.lost,
-            strict=True,
+        for index, (child, took) in enumerate(
+            zip(children, result.children, strict=True)
         ):
-            if lost is not None:
-                refusals.lost(child, lost)
-            if natives is not None:
-                native.append(combine_native(natives, partial(refusals.refuse, child)))
+            if took.started:
+                self._log_merger(index)
+            if took.lost is not None:
+                refusals.lost(child, took.lost)
+            if took.natives is not None:
+                native.append(
+                    combine_native(took.natives, partial(refusals.refuse, child))
+                )
                 continue
             native.append(None)
-            if events:
-                child.publish(events, removed)
+            if took.events:
+                child.publish(took.events, took.removed)
         refusals.end_step()
         self._incidents.observe(result.step, result.ranks, result.expired)
         return native

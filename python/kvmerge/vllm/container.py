@@ -15,7 +15,7 @@ over as they are, so no event object is built between a worker's
 
 A ``WorkerOutput`` (``kvmerge._kvmerge``) is one buffer: the worker's rank,
 ``seq``, first-step settings and, per child, its encoded batch (layout in
-``rust/kvmerge-py/src/wire.rs``), with a native child's container beside it.
+``rust/kvmerge-core/src/step/wire.rs``), with a native child's container beside it.
 Pickled (the executor's shm ``MessageQueue`` pickles with the highest
 protocol and a ``buffer_callback``), a message is one reconstructor and, per
 output, its buffer as a protocol-5 ``PickleBuffer`` and its natives. Neither

@@ -42,7 +42,7 @@ Family: TypeAlias = str
 #: An unknown container whose events were encoded because of an override.
 FAMILY_OTHER: Final = "other"
 #: What the scheduler's step calls a native child's container when it
-#: compares families (``step.rs``, as the rule of that name).
+#: compares families (``kvmerge_core::step``, as the rule of that name).
 FAMILY_NATIVE: Final = "native"
 #: Names no registered family may take.
 TAGS: Final = (FAMILY_OTHER, FAMILY_NATIVE)
@@ -233,7 +233,7 @@ def default_rule(family: Family) -> Rule | Literal["native"]:
     return info.rule if info is not None else "native"
 
 
-def implied_rules() -> dict[Family, str]:
+def implied_rules() -> dict[Family, Rule | Literal["native"]]:
     """Each family a worker may encode, and the rule it implies (what the
     scheduler's ``OutputMerger`` infers for a child whose rule is not
     configured)."""

@@ -1,6 +1,8 @@
 //! kvmerge's engine: encode vLLM KV-cache events into batches with
 //! fixed-size identities, and merge the batches many workers report into the
-//! events to publish once. No Python here; `kvmerge-py` binds it.
+//! events to publish once; and the scheduler's step around it (`step`): the
+//! wire form a worker's output travels in, and every check of a step. No
+//! Python here; `kvmerge-py` binds it.
 //!
 //! The rules are specified in `docs/merge-rules.md`.
 
@@ -12,6 +14,7 @@ pub mod merge;
 pub mod msgpack;
 pub mod rule;
 pub mod schema;
+pub mod step;
 
 pub use batch::{Backing, Batch, FillError, Record, Written};
 pub use carriers::{Carriers, MAX_WORLD_SIZE};

@@ -15,7 +15,6 @@ mod raw;
 mod schema;
 mod settings;
 mod step;
-mod wire;
 mod write;
 
 use pyo3::prelude::*;
@@ -55,6 +54,10 @@ fn _kvmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<step::PyOutputMerger>()?;
     m.add_class::<step::PyRefusal>()?;
     m.add_class::<step::PyStepResult>()?;
+    m.add_class::<step::PyChildStep>()?;
+    m.add_class::<step::PyChildConfig>()?;
+    m.add("MERGE_KEY", kvmerge_core::step::MERGE_KEY)?;
+    m.add("FACTORS_KEY", kvmerge_core::step::FACTORS_KEY)?;
     m.add_function(wrap_pyfunction!(step::_refusal_kinds, m)?)?;
     Ok(())
 }

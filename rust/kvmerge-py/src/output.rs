@@ -20,7 +20,7 @@ use crate::batch::{backing_of, pickle_buffer_type, PyEventBatch, Refusal};
 use crate::convert::type_name;
 use crate::gil::{is_small, without_gil_unless};
 use crate::settings::PyWorkerSettings;
-use crate::wire::{self, Damage, Header, Part, Written};
+use kvmerge_core::step::wire::{self, Damage, Header, Part, Written};
 
 /// The first pickle protocol with out-of-band buffers.
 const OUT_OF_BAND_PROTOCOL: i64 = 5;

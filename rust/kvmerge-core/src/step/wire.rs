@@ -26,7 +26,7 @@
 
 use std::ops::Range;
 
-use crate::settings::{ChildSettings, Settings};
+use super::settings::{ChildSettings, Settings};
 
 const MAGIC: &[u8; 4] = b"KVMO";
 const VERSION: u8 = 2;
@@ -387,7 +387,7 @@ pub fn batches<'a>(parts: &'a [Written<'a>]) -> impl Iterator<Item = &'a [u8]> {
 }
 
 /// One output's buffer: its header, then its batches.
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 pub fn write(
     rank: i64,
     seq: i64,
