@@ -80,6 +80,11 @@ class ServedOptions:
     #: Data-parallel replicas, each with its own scheduler, merger and
     #: publisher (the endpoint's port plus its rank).
     dp: int = 1
+    #: Pipeline-parallel stages: a replica's workers are ``tp * pp``.
+    pp: int = 1
+    #: The nodes of vLLM's multi-node executor the workers are spread over
+    #: (``kvmerge.sim.server``: each other node in namespaces of its own).
+    nodes: int = 1
     #: ``KVMergeMultiConnector``, or ``MultiConnector`` (vLLM's own).
     connector: str = CONNECTOR
     #: The families vLLM 0.32, the release whose CPU build serves here, has.
@@ -112,6 +117,11 @@ class ServedOptions:
     topic: str = "kv-events"
     #: Seconds without a new batch after which the stream is complete.
     settle_s: float = 3.0
+
+    @property
+    def world(self) -> int:
+        """The workers of a replica: kvmerge's world (TP x PP)."""
+        return self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -189,6 +199,13 @@ class ServedResult:
     #: After each wave, each child's tier as the router holds it against the
     #: truth.
     accuracy: list[Accuracy] = field(default_factory=list)
+    #: The nodes of vLLM's multi-node executor, and each other node's exit
+    #: status once the first was stopped.
+    nodes: int = 1
+    node_returncodes: list[int] = field(default_factory=list)
+    #: The TCP addresses node 1's workers answered the engine core on
+    #: (``Server.remote_queues``): empty on one node.
+    remote_queues: list[str] = field(default_factory=list)
 
     @property
     def result(self) -> Result:
@@ -223,6 +240,21 @@ class ServedResult:
                 f"{self.resets_ok} of {self.resets} prefix-cache resets succeeded",
             ),
         ]
+        if self.nodes > 1:
+            out += [
+                Check(
+                    len(self.node_returncodes) == self.nodes - 1
+                    and all(c == 0 for c in self.node_returncodes),
+                    "nodes",
+                    f"the other nodes' vllm serve exited with {self.node_returncodes}",
+                ),
+                Check(
+                    bool(self.remote_queues),
+                    "tcp",
+                    "node 1's workers answered on vLLM's remote message queue at "
+                    + (", ".join(sorted(set(self.remote_queues))) or "no address"),
+                ),
+            ]
         for replica in self.replicas:
             suffix = f" dp{replica.dp_rank}" if len(self.replicas) > 1 else ""
             out += [
@@ -468,6 +500,8 @@ class ServedRun:
                 model=model,
                 tp=o.tp,
                 dp=o.dp,
+                pp=o.pp,
+                nodes=o.nodes,
                 num_blocks=o.num_blocks,
                 kv_transfer=config,
                 topic=o.topic,
@@ -583,6 +617,9 @@ class ServedRun:
             preemptions=int(sum(float(v) for v in preempted)),
             step=_step(metrics_text),
             returncode=server.returncode,
+            nodes=o.nodes,
+            node_returncodes=list(server.node_returncodes),
+            remote_queues=server.remote_queues(),
             accuracy=accuracy,
             resets=resets,
             resets_ok=resets_ok,
@@ -648,7 +685,7 @@ class ServedRun:
             ChildRecord(
                 i,
                 FAMILY[f].rule,
-                FAMILY[f].cls.factors(o.tp) if FAMILY[f].rule == "quorum" else None,
+                FAMILY[f].cls.factors(o.world) if FAMILY[f].rule == "quorum" else None,
             )
             for i, f in enumerate(o.families)
         ]
@@ -659,7 +696,7 @@ class ServedRun:
         upstream = o.connector != CONNECTOR
         merged = not upstream and o.rule != "native"
         expected, replayed = (
-            expected_stream(folder, children, o.tp, o.max_pending_steps)
+            expected_stream(folder, children, o.world, o.max_pending_steps)
             if merged and recorded(folder)
             else ([], [])
         )
@@ -667,7 +704,7 @@ class ServedRun:
         reader_stats = self.streams[d].reader.stats
         result = Result(
             options=Options(
-                workers=o.tp,
+                workers=o.world,
                 families=o.families,
                 max_pending_steps=o.max_pending_steps,
                 num_blocks=o.num_blocks,

@@ -9,6 +9,16 @@ with random weights; KV events go out on ``ipc://`` sockets in the server's
 own folder and HTTP on a free port of 127.0.0.1, so that two runs never
 collide.
 
+With ``nodes`` > 1 it runs vLLM's multi-node executor on this one machine,
+as users run it across hosts (``--nnodes``, ``--node-rank``,
+``--master-addr``; every node but the first ``--headless``): each node is a
+``vllm serve`` process tree of its own, with ``tp * pp / nodes`` workers,
+on 127.0.0.1 (``VLLM_HOST_IP``). A node other than the first runs in mount
+and IPC namespaces of its own, with its own ``/dev/shm`` (``unshare``;
+root), so that vLLM takes it for another host: its workers' outputs reach
+the engine core through vLLM's remote message queue, ZMQ over TCP, not
+shared memory (``Server.remote_queues`` shows it, from node 1's debug log).
+
 Every wait is bounded: start-up fails with the log's tail when the process
 exits or ``/health`` does not answer in time. ``stop`` sends SIGTERM to the
 server's process group (vLLM shuts its engine and workers down), then
@@ -22,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -78,6 +89,10 @@ class ServerOptions:
     model: Path
     tp: int = 2
     dp: int = 1
+    #: Pipeline-parallel stages: the workers are ``tp * pp``.
+    pp: int = 1
+    #: Nodes the workers are spread over (see the module's docs).
+    nodes: int = 1
     #: The KV cache, in blocks: small, so that blocks are evicted and
     #: requests preempted.
     num_blocks: int = 48
@@ -113,6 +128,12 @@ class Server:
             self.endpoint = f"ipc://{self.scratch / 'kv'}"
             self.replay_endpoint = f"ipc://{self.scratch / 'kv-replay'}"
         self.log_path = self.dir / "server.log"
+        #: Each node's but the first: its log, and its process.
+        self.node_logs = [self.dir / f"node{k}.log" for k in range(1, opts.nodes)]
+        self._nodes: list[subprocess.Popen[bytes]] = []
+        #: Each other node's exit status once stopped.
+        self.node_returncodes: list[int] = []
+        self.master_port = 0
         self.ready_s = 0.0
         self.leaked: list[str] = []
         #: Whether a process of the server outlived SIGTERM's wait.
@@ -126,15 +147,27 @@ class Server:
 
     # -- the command ---------------------------------------------------------
 
-    def command(self) -> list[str]:
-        """The ``vllm serve`` command line (what the README shows, but for the
-        model and the children)."""
+    def command(self, node: int = 0) -> list[str]:
+        """The ``vllm serve`` command line of ``node`` (what the README shows,
+        but for the model and the children)."""
         o = self.opts
         vllm = str(Path(self.python).with_name("vllm"))
         cmd = [vllm, "serve", str(o.model), "--load-format", "dummy"]
         cmd += ["--tensor-parallel-size", str(o.tp)]
+        if o.pp > 1:
+            cmd += ["--pipeline-parallel-size", str(o.pp)]
         if o.dp > 1:
             cmd += ["--data-parallel-size", str(o.dp)]
+        if o.nodes > 1:
+            cmd += ["--nnodes", str(o.nodes), "--node-rank", str(node)]
+            cmd += [
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(self.master_port),
+            ]
+            if node > 0:
+                cmd += ["--headless"]
         cmd += ["--dtype", "bfloat16", "--enforce-eager"]
         cmd += ["--max-model-len", str(o.max_model_len)]
         cmd += ["--block-size", str(BLOCK_SIZE)]
@@ -156,7 +189,23 @@ class Server:
             "topic": self.opts.topic,
         }
 
-    def env(self) -> dict[str, str]:
+    def node_command(self, node: int) -> list[str]:
+        """What runs node ``node`` > 0: its command in mount and IPC
+        namespaces of its own, over a ``/dev/shm`` of its own."""
+        return [
+            "unshare",
+            "--mount",
+            "--ipc",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "$@"',
+            "sh",
+            *self.command(node),
+        ]
+
+    def env(self, node: int = 0) -> dict[str, str]:
         scratch = self.scratch
         # The server's venv is its own, and so are vLLM's settings: none of
         # the caller's (a test process may have quietened vLLM's logging, or
@@ -175,13 +224,35 @@ class Server:
             HF_HUB_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",
             VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=omp_binding(self.opts.tp * self.opts.dp),
+            VLLM_CPU_OMP_THREADS_BIND=self._omp_binding(node),
             # /reset_prefix_cache is a development endpoint.
             VLLM_SERVER_DEV_MODE="1",
             PYTHONUNBUFFERED="1",
         )
+        if self.opts.nodes > 1:
+            # Else vLLM advertises the host's own address.
+            env["VLLM_HOST_IP"] = "127.0.0.1"
+            if node > 0:
+                # The message queues' handles, TCP addresses among them.
+                env["VLLM_LOGGING_LEVEL"] = "DEBUG"
         env.update(self.opts.extra_env)
         return env
+
+    def _omp_binding(self, node: int) -> str:
+        """This node's workers' share of ``omp_binding`` over every worker."""
+        o = self.opts
+        every = omp_binding(o.tp * o.pp * o.dp).split("|")
+        per = len(every) // o.nodes
+        return "|".join(every[node * per : (node + 1) * per])
+
+    def remote_queues(self) -> list[str]:
+        """The TCP addresses node 1's workers answer the engine core on
+        (vLLM's remote message queue), as its debug log names them: none on
+        one node, where every queue is shared memory."""
+        if not self.node_logs or not self.node_logs[0].exists():
+            return []
+        text = self.node_logs[0].read_text(errors="replace")
+        return re.findall(r"remote_subscribe_addr='(tcp://[^']+)'", text)
 
     def subscriber_endpoints(self, dp_rank: int = 0) -> tuple[str, str]:
         """Where a subscriber reads replica ``dp_rank``'s stream and asks
@@ -204,7 +275,22 @@ class Server:
             raise ServerError("already started")
         self._shm_before = _shm_entries()
         self.port = free_port()
+        self.master_port = free_port()
         started = time.monotonic()
+        # The headless nodes first: the first node's engine waits for them.
+        for node, path in enumerate(self.node_logs, start=1):
+            with open(path, "ab") as log:
+                self._nodes.append(
+                    subprocess.Popen(
+                        self.node_command(node),
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=self.env(node),
+                        cwd=self.dir,
+                        start_new_session=True,
+                    )
+                )
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 self.command(),
@@ -232,6 +318,12 @@ class Server:
                     f"vllm serve exited with {self._proc.returncode} before it "
                     f"was ready:\n{self.log_tail()}"
                 )
+            for node, proc in enumerate(self._nodes, start=1):
+                if proc.poll() is not None:
+                    raise ServerError(
+                        f"node {node}'s vllm serve exited with {proc.returncode} "
+                        f"before the server was ready:\n{self.log_tail()}"
+                    )
             try:
                 with self._opener.open(f"{self.base_url}/health", timeout=2.0) as r:
                     if r.status == 200:
@@ -250,10 +342,43 @@ class Server:
         ``leaked``)."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            self._stop(proc, timeout)
+            self.returncode = self._stop(proc, timeout)
+        nodes, self._nodes = self._nodes, []
+        for node in nodes:
+            self.node_returncodes.append(self._stop(node, timeout))
         shutil.rmtree(self.scratch, ignore_errors=True)
 
-    def _stop(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    def wait_stopped(self, timeout: float) -> bool:
+        """Whether every process of the first node exits on its own within
+        ``timeout`` seconds (a server whose engine died stops so)."""
+        proc = self._proc
+        if proc is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _group_alive(proc.pid, proc):
+                return True
+            time.sleep(0.5)
+        return False
+
+    def leaked_after_stop(self) -> list[str]:
+        """The shared-memory segments made since the start that are still
+        there (after ``stop``: none, unless someone else made them)."""
+        return sorted(_shm_entries() - self._shm_before)
+
+    def kill_node(self, node: int) -> None:
+        """SIGKILL to every process of node ``node`` > 0, at once: a host
+        that dies."""
+        proc = self._nodes[node - 1]
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def pids(self) -> list[int]:
+        """Every process of every node of the server."""
+        leaders = [p.pid for p in [self._proc, *self._nodes] if p is not None]
+        return [pid for leader in leaders for pid in _group_pids(leader)]
+
+    def _stop(self, proc: subprocess.Popen[bytes], timeout: float) -> int:
         pgid = proc.pid
         pids = _group_pids(pgid)
         owned = _shm_used_by(pids)
@@ -267,7 +392,7 @@ class Server:
             end = time.monotonic() + 10
             while time.monotonic() < end and _group_alive(pgid, proc):
                 time.sleep(0.1)
-        self.returncode = proc.wait(timeout=10)
+        returncode = proc.wait(timeout=10)
         for name in sorted(_shm_entries() - self._shm_before):
             # Only the server's: other processes (the caller's) may be using
             # segments made meanwhile.
@@ -276,6 +401,7 @@ class Server:
             self.leaked.append(name)
             with contextlib.suppress(OSError):
                 (_SHM / name).unlink()
+        return returncode
 
     def __enter__(self) -> Self:
         return self.start()
@@ -289,7 +415,14 @@ class Server:
         self.stop()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """The server's log: the first node's, then each other node's."""
+        text = self.log_path.read_text(errors="replace")
+        for node, path in enumerate(self.node_logs, start=1):
+            if path.exists():
+                text += f"\n===== node {node} =====\n" + path.read_text(
+                    errors="replace"
+                )
+        return text
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log()[-chars:]
