@@ -150,6 +150,8 @@ class Summary:
     lost_at_end: int
     #: Batches fed again (a sequence number not above the last), skipped.
     repeated: int
+    #: Times the stream started over (``Checker.restart``).
+    restarts: int
     #: Batches the subscriber could not decode (its ``Stats``).
     undecodable: int
     clears: int
@@ -180,6 +182,8 @@ class Summary:
             parts.append(f"lost at the end {self.lost_at_end}")
         if self.undecodable:
             parts.append(f"undecodable {self.undecodable}")
+        if self.restarts:
+            parts.append(f"restarts {self.restarts}")
         if TOO_FEW_BATCHES in self.failures:
             parts.append(f"fewer than {self.min_batches} batches")
         parts.append(f"clears {self.clears}")
@@ -295,6 +299,7 @@ class StreamCheck:
         self._repeated = 0
         self._batches = 0
         self._events = 0
+        self._restarts = 0
 
     # --- feeding --------------------------------------------------------------
     def feed(self, batch: Any, seq: int | None = None) -> None:
@@ -330,10 +335,23 @@ class StreamCheck:
 
         events_type = list[BlockStored | BlockRemoved | AllBlocksCleared]
         obj = msgspec.json.decode(line)
+        if obj.get("incarnation", 0) > self._restarts:
+            self.restart()
         events = msgspec.convert(obj["events"], events_type)
         self.feed_events(
             events, dp_rank=obj.get("data_parallel_rank"), seq=obj.get("seq")
         )
+
+    def restart(self) -> None:
+        """A new publisher on the endpoint (a restarted server): its stream
+        starts over at sequence number 0, and its ranks hold nothing the old
+        one published (a router must forget those blocks)."""
+        self._restarts += 1
+        self.first_seq = 0
+        self._last = None
+        for rank in self._ranks.values():
+            rank.held.clear()
+            rank.known = True
 
     def _take_seq(self, seq: int) -> bool:
         """Whether a batch is new; a gap before it is recorded."""
@@ -463,6 +481,7 @@ class StreamCheck:
             missing_ranges=missing[:RANGES],
             lost_at_end=sum(b - a + 1 for a, b in lost),
             repeated=self._repeated,
+            restarts=self._restarts,
             undecodable=undecodable,
             clears=sum(r.clears for r in self._ranks.values()),
             unchecked=sum(r.unchecked for r in self._ranks.values()),

@@ -26,6 +26,9 @@ class Received(NamedTuple):
     topic: bytes
     batch: Any  # a KVEventBatch: vLLM's, or kvmerge.events' (batch_type)
     replayed: bool
+    #: Which publisher on the endpoint sent it: 0, then one more each time
+    #: the stream started over (a server restarted on the same endpoints).
+    incarnation: int = 0
 
 
 @dataclass
@@ -49,6 +52,9 @@ class Stats:
     missing_ranges: list[tuple[int, int]] = field(default_factory=list)
     #: Batches received again (replayed twice, or older than the stream).
     repeated: int = 0
+    #: Times the stream started over: a new publisher on the endpoint (a
+    #: restarted server), whose sequence numbers start again at 0.
+    restarts: int = 0
     decode_errors: int = 0
     dp_ranks: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
@@ -126,6 +132,11 @@ class EventSubscriber:
         #: the subscription starting late, not a gap in the stream).
         self._live = False
         self.stats = Stats()
+        #: The publisher the batches come from (``Received.incarnation``).
+        self.incarnation = 0
+        #: The newest batch's timestamp: a live batch below the expected
+        #: sequence number that is newer comes from a new publisher.
+        self._last_ts: float | None = None
 
     # --- decoding ----------------------------------------------------------------
     def load_decoder(self) -> None:
@@ -151,7 +162,9 @@ class EventSubscriber:
         by_kind = st.by_kind
         for event in batch.events:
             by_kind[event_kind(event)] += 1
-        return Received(seq, topic, batch, replayed)
+        if self._last_ts is None or batch.ts > self._last_ts:
+            self._last_ts = batch.ts
+        return Received(seq, topic, batch, replayed, self.incarnation)
 
     # --- replay ------------------------------------------------------------------
     def _replay_socket(self) -> Any:
@@ -253,8 +266,15 @@ class EventSubscriber:
         out: list[Received] = []
         if self.expected is not None:
             if seq < self.expected:
-                self.stats.repeated += 1
-                return out
+                if not self._started_over(payload):
+                    self.stats.repeated += 1
+                    return out
+                # The new publisher's stream from its start: what it sent
+                # before we reconnected comes from its replay socket.
+                self.incarnation += 1
+                self.stats.restarts += 1
+                self.expected = 0
+                self._live = False
             if seq > self.expected:
                 if self._live:
                     self.stats.gaps += 1
@@ -265,6 +285,20 @@ class EventSubscriber:
         if received is not None:
             out.append(received)
         return out
+
+    def _started_over(self, payload: bytes) -> bool:
+        """Whether a live batch below the expected sequence number comes from
+        a new publisher. A publisher never sends a batch twice on its live
+        socket, but one already replayed by ``fetch_history`` may arrive
+        there too, as old as the replay's; a new publisher's is newer than
+        every batch seen."""
+        self.load_decoder()
+        assert self._decode is not None
+        try:
+            ts = self._decode(payload).ts
+        except Exception:
+            return False
+        return self._last_ts is not None and ts > self._last_ts
 
     def receive(self, timeout_ms: int = 100, max_batches: int = 1000) -> list[Received]:
         """The batches that arrive within ``timeout_ms`` (at most about

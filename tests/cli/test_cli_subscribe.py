@@ -785,3 +785,110 @@ def test_fields_a_newer_vllm_adds_are_skipped():
         ours.BlockRemoved(block_hashes=[3], medium=None),
         ours.AllBlocksCleared(),
     ]
+
+
+# --- a publisher that restarts on its endpoints -----------------------------------
+def _stored_at(ts: float, block: int, parent: int | None) -> object:
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    return KVEventBatch(
+        ts=ts,
+        events=[
+            BlockStored(
+                block_hashes=[block],
+                parent_block_hash=parent,
+                token_ids=[1, 2],
+                block_size=2,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            )
+        ],
+    )
+
+
+def _removed_at(ts: float, block: int) -> object:
+    from vllm.distributed.kv_events import BlockRemoved, KVEventBatch
+
+    return KVEventBatch(
+        ts=ts, events=[BlockRemoved(block_hashes=[block], medium="CPU")]
+    )
+
+
+def _across_a_restart(tmp_path, after: list[tuple[str, int, int | None]]) -> dict:
+    """``kvmerge subscribe --check`` of a publisher that stores blocks 1, 2,
+    3 (a chain), stops, and starts again on the same endpoints (as a
+    restarted ``vllm serve``) to publish ``after``, from seq 0: its final
+    JSON summary, and the lines it wrote beside."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    endpoint, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+
+    def start() -> ZmqEventPublisher:
+        return ZmqEventPublisher(
+            data_parallel_rank=0,
+            endpoint=endpoint,
+            replay_endpoint=replay,
+            buffer_steps=100,
+            topic="kv",
+        )
+
+    first = start()
+    now = time.time()
+    for i, (block, parent) in enumerate([(1, None), (2, 1), (3, 2)]):
+        first.publish(_stored_at(now + i, block, parent))
+    proc = subprocess.Popen(
+        [
+            *CMD,
+            *("subscribe", endpoint, "--replay", replay, "--topic", "kv"),
+            *("--history", "--check", "--json", "--idle", "10", "--duration", "90"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    second = None
+    try:
+        time.sleep(3.0)  # the old stream read (replayed), the socket live
+        first.shutdown()
+        second = start()
+        time.sleep(1.0)  # the subscriber reconnects (every 50 ms)
+        for i, (kind, block, parent) in enumerate(after):
+            batch = (
+                _stored_at(now + 10 + i, block, parent)
+                if kind == "stored"
+                else _removed_at(now + 10 + i, block)
+            )
+            second.publish(batch)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if second is not None:
+            second.shutdown()
+    final = json.loads(out.strip().splitlines()[-1])
+    final["stderr"] = err
+    return final
+
+
+def test_a_restarted_publisher_starts_a_new_stream(tmp_path):
+    """A server restarted on its endpoints publishes from seq 0 again, and
+    holds nothing: its stores of blocks the old one stored are no
+    duplicates, and no batch is missing (not a gap, not repeated batches)."""
+    final = _across_a_restart(
+        tmp_path, [("stored", 1, None), ("stored", 2, 1), ("removed", 2, None)]
+    )
+    err = final["stderr"]
+    assert final["ok"] is True, (final, err)
+    assert (final["batches"], final["missing"], final["restarts"]) == (6, 0, 1)
+    assert "the stream started over at seq 0" in err, err
+
+
+def test_a_restarted_publisher_holds_none_of_the_old_ones_blocks(tmp_path):
+    """After a restart, a removal of a block only the old publisher stored is
+    one a router cannot apply: the subscriber forgot the old blocks."""
+    final = _across_a_restart(tmp_path, [("stored", 5, None), ("removed", 3, None)])
+    assert final["failures"] == ["unknown_removal"], (final, final["stderr"])
+    assert final["restarts"] == 1 and final["missing"] == 0

@@ -337,6 +337,7 @@ def test_a_summary_is_json_with_stable_keys_and_three_examples():
         "missing_ranges",
         "lost_at_end",
         "repeated",
+        "restarts",
         "undecodable",
         "clears",
         "unchecked",

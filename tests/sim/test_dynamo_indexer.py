@@ -11,6 +11,7 @@ What is asserted is documented in kvmerge.sim.dynamo.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -57,6 +58,9 @@ class Publisher:
         self.topic = topic.encode()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
+        # Every subscription shows, a repeated one too (a subscriber that
+        # registers again while the old subscription lingers).
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._pub.bind(self.endpoint)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.bind(self.replay_endpoint)
@@ -225,3 +229,64 @@ def test_indexer_http_errors(indexer: DynamoIndexer, publisher: Publisher) -> No
         indexer.query([1, 2, 3, 4], "no-such-model")
     assert unknown.value.status == 404
     indexer.unregister(8, MODEL)
+
+
+def _held(indexer: DynamoIndexer, iid: int) -> list[int]:
+    return sorted(
+        {b.block_hash for b in indexer.dump_blocks(MODEL) if b.worker_id == iid}
+    )
+
+
+def _subscribed_again(pub: Publisher, timeout: float = 20.0) -> None:
+    """The indexer's (re)subscription reached ``pub`` (an unsubscription of
+    an old one may come first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert pub._pub.poll(int(max(0.0, deadline - time.monotonic()) * 1000) + 1)
+        if pub._pub.recv()[:1] == b"\x01":
+            return
+    raise AssertionError("the indexer did not subscribe again")
+
+
+def test_a_restarted_publisher_leaves_dynamos_old_blocks_until_registered_again(
+    indexer: DynamoIndexer,
+) -> None:
+    """Dynamo's indexer, as it is, and a server restarted on its endpoints
+    (a new publisher, its seq from 0 again): it reconnects, keeps every block
+    of the old publisher, and drops the new one's batches whose seq is not
+    above the last it saw, so its view is stale. Unregistering the worker
+    drops its blocks; registered again, the new stream is applied from its
+    start (what it missed, from the replay socket). What an
+    operator does: docs/deployment.md, "A server that restarts"."""
+    iid = 9
+    toks = list(range(200, 216))
+    folder = tempfile.mkdtemp(prefix="kvd-")
+    old = Publisher(folder)
+    new = None
+    try:
+        indexer.register(iid, old.endpoint, old.replay_endpoint, MODEL)
+        old.wait_subscribed()
+        old.publish([stored([11, 12], None, toks[0:8], "GPU")])
+        old.publish([stored([13], 12, toks[8:12], "GPU")])
+        indexer.wait_until(lambda: _held(indexer, iid) == [11, 12, 13], 10, "3 blocks")
+        old.close()
+        new = Publisher(folder)  # the same endpoints
+        _subscribed_again(new)
+        new.publish([stored([21], None, toks[0:4], "GPU")])  # seq 0 again
+        time.sleep(2.0)
+        assert _held(indexer, iid) == [11, 12, 13]
+        indexer.unregister(iid)
+        indexer.wait_until(lambda: _held(indexer, iid) == [], 10, "no block")
+        indexer.register(iid, new.endpoint, new.replay_endpoint, MODEL)
+        _subscribed_again(new)
+        new.publish([stored([31], None, toks[4:8], "GPU")])
+        # From the new stream's start: seq 0 from the replay socket.
+        indexer.wait_until(lambda: _held(indexer, iid) == [21, 31], 10, "new blocks")
+    finally:
+        with contextlib.suppress(Exception):
+            indexer.unregister(iid)
+        for pub in (old, new):
+            if pub is not None:
+                with contextlib.suppress(Exception):
+                    pub.close()
+        shutil.rmtree(folder, ignore_errors=True)

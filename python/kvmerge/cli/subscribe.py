@@ -77,6 +77,8 @@ def stats_line(stats: Stats) -> str:
     ]
     if stats.repeated:
         parts.append(f"repeated {stats.repeated}")
+    if stats.restarts:
+        parts.append(f"restarts {stats.restarts}")
     if stats.decode_errors:
         parts.append(f"undecodable {stats.decode_errors}")
     return ", ".join(parts)
@@ -310,6 +312,7 @@ class _JsonlWriter:
             "ts": b.ts,
             "data_parallel_rank": b.data_parallel_rank,
             "replayed": received.replayed,
+            "incarnation": received.incarnation,
             "events": b.events,
         }
         self._file.write(self._encode(line) + b"\n")
@@ -377,6 +380,8 @@ class _Watch:
         self.shown = -1
         self.interrupted = False
         self.timed_out = False
+        #: The publisher the last batch came from (``Received.incarnation``).
+        self.incarnation = 0
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -392,6 +397,15 @@ class _Watch:
             self.last_batch = time.monotonic()
             if self.writer is not None:
                 self.writer.write(received)
+            if received.incarnation > self.incarnation:
+                # A restarted server: its blocks start from nothing.
+                self.incarnation = received.incarnation
+                self.say(
+                    f"the stream started over at seq {received.seq}: a new "
+                    f"publisher on the endpoint (restart {received.incarnation})"
+                )
+                if self.check is not None:
+                    self.check.restart()
             if self.check is not None:
                 self.check.feed(received.batch, received.seq)
             if self.args.show_events and not self.live_view:
