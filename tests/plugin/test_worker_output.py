@@ -25,11 +25,12 @@ from support.worker_outputs import (
     received,
     started_cluster,
 )
+from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.v1.outputs import KVConnectorOutput
 
 import kvmerge
 from kvmerge import EventBatch
-from kvmerge._kvmerge import WorkerOutput, WorkerSettings
+from kvmerge._kvmerge import OutputMerger, WorkerOutput, WorkerSettings
 from kvmerge.sim.children import ListKVEvents, lmcache_container
 from kvmerge.sim.transport import dequeue, enqueue
 from kvmerge.vllm import KVMergeKVEvents
@@ -388,6 +389,54 @@ def test_on_the_step_path_an_entry_that_cannot_be_sent_is_that_childs_refusal(
     reason = output.entries[1]
     assert isinstance(reason, str), reason
     assert reason.startswith("its entry cannot be sent: ") and why in reason, reason
+
+
+#: Entries a worker may hand ``for_step`` that the buffer cannot carry:
+#: every way past the wire form's limits, and every other shape.
+_unsendable = st.one_of(
+    st.sampled_from([*OTHER_SHAPES.values(), *(e for e, _ in UNFITTING.values())]),
+    st.integers(256, 600).map(lambda n: ("x" * n, BATCH, None)),
+    st.integers(128, 300).map(lambda n: ("é" * n, BATCH, None)),
+    st.integers(256, 400).map(lambda n: ("lmcache", BATCH, tuple(range(1, n + 1)))),
+    st.one_of(st.integers(2**63, 2**80), st.integers(-(2**80), -(2**63) - 1)).map(
+        lambda f: ("lmcache", BATCH, (1, f))
+    ),
+)
+_sendable = st.sampled_from(
+    [None, ("lmcache", BATCH, None), ("x" * 255, BATCH, None), "could not encode"]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), _sendable, _unsendable), min_size=1, max_size=8)
+)
+def test_no_entry_a_worker_sends_makes_the_step_path_raise(drawn):
+    """Whatever a worker's children hand over, past every limit of the wire
+    form or of another shape, ``for_step`` never raises and the scheduler's
+    step refuses exactly those children (``encode``), each with the
+    worker's reason; the others are taken as they are."""
+    entries = [bad if spoiled else good for spoiled, good, bad in drawn]
+    output = WorkerOutput.for_step(0, 1, entries)
+    children = [(f"connectors[{i}] (X)", None, None) for i in range(len(entries))]
+    merger = OutputMerger(
+        WorkerSettings(kvmerge.__version__, 1, -1, True, children),
+        4,
+        {"lmcache": "all", "x" * 255: "any"},
+        KVConnectorKVEvents,
+        [False] * len(entries),
+    )
+    result = merger.step([output])
+    expected = {
+        i
+        for i, (spoiled, good, _) in enumerate(drawn)
+        if spoiled or isinstance(good, str)
+    }
+    assert {r.child for r in result.refusals} == expected
+    assert {r.kind for r in result.refusals} <= {"encode"}
+    for r in result.refusals:
+        if drawn[r.child][0]:
+            assert "its entry cannot be sent: " in r.detail, r.detail
 
 
 def test_on_the_step_path_what_no_entry_causes_still_raises():

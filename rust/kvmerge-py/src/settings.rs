@@ -1,7 +1,8 @@
 //! `WorkerSettings`: what a worker believes (`kvmerge_core::step::Settings`),
 //! as Python builds and reads it.
 
-use kvmerge_core::step::repr::{py_bool, py_children, py_str};
+use kvmerge_core::step::repr::{py_bool, py_str};
+use kvmerge_core::step::settings::py_children;
 use kvmerge_core::step::{ChildSettings, Settings};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;

@@ -1,8 +1,6 @@
 //! Values as Python's `repr` writes them: the log lines and refusals that
 //! name a setting show it as the operator wrote it in Python or JSON.
 
-use super::settings::ChildSettings;
-
 pub fn py_bool(b: bool) -> String {
     if b { "True" } else { "False" }.to_owned()
 }
@@ -46,21 +44,6 @@ pub fn py_factors(factors: &[i64]) -> String {
                 .join(", ")
         ),
     }
-}
-
-pub fn py_children(children: &[ChildSettings]) -> String {
-    let items: Vec<String> = children
-        .iter()
-        .map(|c| {
-            format!(
-                "({}, {}, {})",
-                py_str(&c.label),
-                c.rule.as_deref().map_or("None".into(), py_str),
-                c.factors.as_deref().map_or("None".into(), py_factors)
-            )
-        })
-        .collect();
-    format!("[{}]", items.join(", "))
 }
 
 #[cfg(test)]

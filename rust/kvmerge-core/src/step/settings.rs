@@ -3,7 +3,7 @@
 //! on one worker, another child list, rule or world size would otherwise
 //! lose events without a word.
 
-use super::repr::{py_bool, py_children, py_str};
+use super::repr::{py_bool, py_factors, py_str};
 
 /// A child's configured rule and factors, by its label.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +64,22 @@ impl Settings {
         }
         found
     }
+}
+
+/// `repr(children)`, as Python writes the settings' list of children.
+pub fn py_children(children: &[ChildSettings]) -> String {
+    let items: Vec<String> = children
+        .iter()
+        .map(|c| {
+            format!(
+                "({}, {}, {})",
+                py_str(&c.label),
+                c.rule.as_deref().map_or("None".into(), py_str),
+                c.factors.as_deref().map_or("None".into(), py_factors)
+            )
+        })
+        .collect();
+    format!("[{}]", items.join(", "))
 }
 
 #[cfg(test)]
