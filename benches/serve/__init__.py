@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--tp", type=_positive, default=2, help="TP size (default 2)")
     s.add_argument(
+        "--nodes",
+        type=_positive,
+        default=1,
+        help="nodes of vLLM's multi-node executor the TP ranks are spread over, "
+        "all on this machine (kvmerge.sim.server; default 1)",
+    )
+    s.add_argument(
         "--num-blocks",
         type=_positive,
         default=64,

@@ -183,6 +183,7 @@ def run_config(
         ServerOptions(
             model=model,
             tp=args.tp,
+            nodes=args.nodes,
             num_blocks=args.num_blocks,
             max_model_len=args.max_model_len,
             kv_transfer=transfer_config(config, args, dir),

@@ -279,3 +279,39 @@ def test_dynamos_indexer_applies_every_store_and_its_lookups_are_exact(dynamo_py
     # Unknown removals: none, as the rules imply for this stream.
     assert result.router_applied[("removed", "block_not_found")] == 0
     assert not [w for w in warnings if "decode" in w.lower()], warnings
+
+
+@pytest.mark.vllm
+def test_a_made_up_family_is_its_entry_and_its_child_end_to_end():
+    """A family kvmerge has never heard of (``support.made_up_family``): its
+    registry entry and its simulated child are all it takes. Through vLLM's
+    scheduler loop and worker processes, beside LMCache's child, nothing
+    configured: the worker encodes its containers, the scheduler infers its
+    rule ("any") from the family, the stream is exactly what the rules make
+    of every rank's reports, in its own medium, and a router can apply it."""
+    from support import made_up_family as made_up
+
+    from kvmerge.sim import children
+    from kvmerge.sim.run import Options, run
+    from kvmerge.vllm import families
+
+    with families.extended(made_up.FOO), children.extended(made_up.sim_child()):
+        opts = Options(
+            families=("lmcache", "foo"),
+            workers=2,
+            steps=120,
+            seed=5,
+            clear_every=60,
+            interval=0.0,
+        )
+        result = run(opts)
+    checks = {c.name: c for c in result.checks()}
+    assert all(c.ok for c in checks.values()), [
+        c.text for c in checks.values() if not c.ok
+    ]
+    assert set(checks) == {"sequence", "stream", "rules"}
+    _, foo = result.merge_stats
+    # Its merger was made from its first batch, with the family's rule.
+    assert foo is not None and foo["published"] > 0, result.merge_stats
+    assert result.by_medium.get("DISK", 0) == foo["published"]
+    assert "foo" not in families.BY_NAME and "foo" not in children.FAMILY

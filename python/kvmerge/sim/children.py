@@ -36,7 +36,8 @@ Their scheduler sides also carry the upstream connectors' own
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -63,7 +64,6 @@ from .model import child_entry
 from .record import RECORD_KEY, Recorder, TruthRecorder, replica_folder
 from .tier import Block, Chain, Change, Faults, Removed, Reporter, Stored, Tier
 
-MODULE: Final = __name__
 #: The key of a child's settings in its ``kv_connector_extra_config``.
 EXTRA_KEY: Final = "kvmerge_sim"
 
@@ -535,6 +535,22 @@ SIMULATED: Final = {
 FAMILY: Final = {name: SIMULATED[name] for name in FAMILY_NAMES if name in SIMULATED}
 
 
+@contextmanager
+def extended(*extra: SimFamily) -> Iterator[None]:
+    """The simulated families with ``extra`` added while the block runs (their
+    entries registered too: ``kvmerge.vllm.families.extended``): how a test
+    shows that a new family is its entry and its child, end to end."""
+    names = [k.cls.FAMILY for k in extra]
+    for name, k in zip(names, extra, strict=True):
+        SIMULATED[name] = FAMILY[name] = k
+    try:
+        yield
+    finally:
+        for name in names:
+            SIMULATED.pop(name, None)
+            FAMILY.pop(name, None)
+
+
 def entry(
     family: str,
     index: int,
@@ -554,4 +570,4 @@ def entry(
     extra = ChildSettings(index, capacity or k.capacity, f, record).to_extra()
     if rule is not None:
         extra[MERGE_KEY] = rule
-    return child_entry(k.cls.__name__, MODULE, extra)
+    return child_entry(k.cls.__name__, k.cls.__module__, extra)

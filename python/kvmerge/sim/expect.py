@@ -11,6 +11,7 @@ in child order.
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -62,7 +63,11 @@ class Expected:
         max_pending = int(extra.get(MAX_PENDING_KEY, DEFAULT_MAX_PENDING_STEPS))
         self.children: list[_Child | None] = []
         for entry in extra["connectors"]:
-            cls = getattr(children, entry["kv_connector"], None)
+            # Where vLLM's connector factory finds it: a family's child
+            # may live outside kvmerge.sim.children.
+            module = entry.get("kv_connector_module_path")
+            home = importlib.import_module(module) if module else children
+            cls = getattr(home, entry["kv_connector"], None)
             child_extra = entry.get("kv_connector_extra_config") or {}
             if (
                 not isinstance(cls, type)

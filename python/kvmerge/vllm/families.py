@@ -17,7 +17,9 @@ A release of vLLM that lacks a family's module simply lacks the family
 
 Adding a family: one ``FamilyInfo`` here, and its simulated child in
 ``kvmerge.sim.children`` (``test_families`` fails for a registered family
-without one).
+without one). ``tests/sim/test_sim.py`` runs a made-up family
+(``tests/support/made_up_family.py``: an entry and a child, nothing else)
+through vLLM's scheduler loop against the reference model.
 
 Importing this module imports no vLLM.
 """
