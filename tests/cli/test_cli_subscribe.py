@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from support import strategies
+from support.vllm_harness import removed, stored
 from test_cli_demo import (
     CONNECTORS,
     MEDIA,
@@ -788,31 +789,10 @@ def test_fields_a_newer_vllm_adds_are_skipped():
 
 
 # --- a publisher that restarts on its endpoints -----------------------------------
-def _stored_at(ts: float, block: int, parent: int | None) -> object:
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+def _batch_at(ts: float, event: object) -> object:
+    from vllm.distributed.kv_events import KVEventBatch
 
-    return KVEventBatch(
-        ts=ts,
-        events=[
-            BlockStored(
-                block_hashes=[block],
-                parent_block_hash=parent,
-                token_ids=[1, 2],
-                block_size=2,
-                lora_id=None,
-                medium="CPU",
-                lora_name=None,
-            )
-        ],
-    )
-
-
-def _removed_at(ts: float, block: int) -> object:
-    from vllm.distributed.kv_events import BlockRemoved, KVEventBatch
-
-    return KVEventBatch(
-        ts=ts, events=[BlockRemoved(block_hashes=[block], medium="CPU")]
-    )
+    return KVEventBatch(ts=ts, events=[event])
 
 
 def _across_a_restart(tmp_path, after: list[tuple[str, int, int | None]]) -> dict:
@@ -836,7 +816,7 @@ def _across_a_restart(tmp_path, after: list[tuple[str, int, int | None]]) -> dic
     first = start()
     now = time.time()
     for i, (block, parent) in enumerate([(1, None), (2, 1), (3, 2)]):
-        first.publish(_stored_at(now + i, block, parent))
+        first.publish(_batch_at(now + i, stored(block, parent, medium="CPU")))
     proc = subprocess.Popen(
         [
             *CMD,
@@ -855,12 +835,12 @@ def _across_a_restart(tmp_path, after: list[tuple[str, int, int | None]]) -> dic
         second = start()
         time.sleep(1.0)  # the subscriber reconnects (every 50 ms)
         for i, (kind, block, parent) in enumerate(after):
-            batch = (
-                _stored_at(now + 10 + i, block, parent)
+            event = (
+                stored(block, parent, medium="CPU")
                 if kind == "stored"
-                else _removed_at(now + 10 + i, block)
+                else removed(block, medium="CPU")
             )
-            second.publish(batch)
+            second.publish(_batch_at(now + 10 + i, event))
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
