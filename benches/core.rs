@@ -358,7 +358,8 @@ enum Last {
 /// Steady state of `rule` ("all", or "quorum" with factor 1) at `w` ranks and `n` events per rank: two
 /// alternating step contents, the last rank as `last` says. One iteration is
 /// one step: the ranks' batches (moved into the merger, so `iter_batched`)
-/// added, then `finish_step_published`.
+/// added, then `finish_step_published`; its throughput counted in
+/// `elements` a step.
 fn bench_steady(
     g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     name: &str,
@@ -366,6 +367,7 @@ fn bench_steady(
     n: usize,
     last: Last,
     rule: Rule,
+    elements: u64,
 ) {
     let mut cfg = MergerConfig::new(w, rule);
     cfg.carriers.replication_factors = (rule == Rule::Quorum).then(|| vec![1]);
@@ -394,7 +396,10 @@ fn bench_steady(
             })
             .collect()
     };
-    let mut m = Merger::new(cfg.clone()).unwrap();
+    // As the scheduler's step makes it: the carriers check deferred.
+    let mut m = Merger::new(cfg.clone())
+        .unwrap()
+        .with_deferred_carrier_check(true);
     // Fill the window first: the silent case is measured with a full one.
     let mut s = 0u64;
     while s < 2 * cfg.max_pending_steps + 2 {
@@ -408,7 +413,7 @@ fn bench_steady(
         Last::OnTime => 0,
     };
     assert_eq!(m.stats().pending, expect, "steady state");
-    g.throughput(Throughput::Elements((w * n) as u64));
+    g.throughput(Throughput::Elements(elements));
     // Inputs are made in order, then consumed in that order: the step
     // counter of the setup follows the merger's.
     let mut next = s;
@@ -439,14 +444,53 @@ fn stragglers(c: &mut Criterion) {
         let mut g = c.benchmark_group(group);
         g.sample_size(30);
         for n in [32, 512] {
-            bench_steady(&mut g, "healthy", 8, n, Last::OnTime, Rule::All);
-            bench_steady(&mut g, name, 8, n, last, Rule::All);
+            let reports = 8 * n as u64;
+            bench_steady(&mut g, "healthy", 8, n, Last::OnTime, Rule::All, reports);
+            bench_steady(&mut g, name, 8, n, last, Rule::All, reports);
             // Rule "quorum" (factor 1), as vLLM's Mooncake child.
-            bench_steady(&mut g, "healthy_quorum", 8, n, Last::OnTime, Rule::Quorum);
-            bench_steady(&mut g, &format!("{name}_quorum"), 8, n, last, Rule::Quorum);
+            let quorum = Rule::Quorum;
+            bench_steady(
+                &mut g,
+                "healthy_quorum",
+                8,
+                n,
+                Last::OnTime,
+                quorum,
+                reports,
+            );
+            bench_steady(
+                &mut g,
+                &format!("{name}_quorum"),
+                8,
+                n,
+                last,
+                quorum,
+                reports,
+            );
         }
         g.finish();
     }
+}
+
+/// A step's cost as a function of the ranks (issue 37): every rank on
+/// time (healthy: one digest comparison per rank, then one rank's events)
+/// and the last rank a step late, TP 2 to 16, under "all" and "quorum"
+/// (factor 1). Throughput in the events a step publishes, so a healthy
+/// step's is flat in the ranks where its cost is.
+fn ranks(c: &mut Criterion) {
+    let mut g = c.benchmark_group("ranks");
+    g.sample_size(30);
+    for n in [32, 512] {
+        for w in [2, 4, 8, 16] {
+            for (rule, suffix) in [(Rule::All, ""), (Rule::Quorum, "_quorum")] {
+                for (last, name) in [(Last::OnTime, "healthy"), (Last::Late, "late")] {
+                    let name = format!("{name}{suffix}");
+                    bench_steady(&mut g, &name, w, n, last, rule, n as u64);
+                }
+            }
+        }
+    }
+    g.finish();
 }
 
 /// A `BlockStored` of blocks `blocks` (16 token ids each), the child of
@@ -631,6 +675,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(2));
-    targets = encode, written, identity, decode, merge, stragglers, guard, raw, gather
+    targets = encode, written, identity, decode, merge, stragglers, ranks, guard, raw, gather
 }
 criterion_main!(benches);

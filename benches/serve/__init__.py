@@ -49,7 +49,7 @@ from .report import render, summaries
 __all__ = ["build_parser", "main", "order", "run"]
 
 DEFAULT_OUT = "bench-out/serve"
-CONFIG_NAMES = ("kvmerge", "multi", "events-off")
+CONFIG_NAMES = ("kvmerge", "drain", "multi", "events-off")
 
 
 def _configs(text: str) -> list[str]:

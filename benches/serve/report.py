@@ -11,8 +11,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-#: The configuration the ratio is taken against, and the one it is taken of.
-BASELINE = "multi"
+#: The configuration the ratio is taken against (MultiConnector, the
+#: children doing their own work as under kvmerge), and the one it is taken of.
+BASELINE = "drain"
 OURS = "kvmerge"
 #: kvmerge's request throughput over the baseline's: the target.
 TARGET = 0.98
@@ -30,7 +31,23 @@ COLUMNS = (
     ("kvmerge us/step", ">"),
     ("kvmerge share", ">"),
     ("events/step", ">"),
+    ("worker us/output", ">"),
+    ("bytes/output", ">"),
 )
+
+#: Two-sided 95% quantiles of Student's t, by degrees of freedom (beyond the
+#: table: the normal's).
+_T95 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365,
+    8: 2.306, 9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042,
+}  # fmt: skip
+
+
+def t95(df: int) -> float:
+    """The table's quantile for ``df``, or the next smaller df's (wider)."""
+    if df < 1:
+        return math.nan
+    return _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -72,6 +89,9 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ours_steps = sum(m.get("kvmerge_steps") or 0.0 for m in metrics)
     ours_s = sum(m.get("kvmerge_step_seconds") or 0.0 for m in metrics)
     published = sum(m.get("kvmerge_published") or 0.0 for m in metrics)
+    outputs = sum(m.get("kvmerge_worker_outputs") or 0.0 for m in metrics)
+    encode_s = sum(m.get("kvmerge_worker_encode_seconds") or 0.0 for m in metrics)
+    sent = sum(m.get("kvmerge_worker_bytes") or 0.0 for m in metrics)
     step_s = duration / steps if steps else math.nan
     ours_step_s = ours_s / ours_steps if ours_steps else math.nan
     return {
@@ -90,6 +110,9 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         # Its seconds over the benchmark's: the engine core's time in it.
         "kvmerge_share": ours_s / duration if ours_steps and duration else math.nan,
         "events_per_step": published / ours_steps if ours_steps else math.nan,
+        # Every worker's: kvmerge's time making an output, and its bytes.
+        "worker_us_per_output": encode_s / outputs * 1e6 if outputs else math.nan,
+        "bytes_per_output": sent / outputs if outputs else math.nan,
     }
 
 
@@ -133,6 +156,8 @@ def row(name: str, s: Mapping[str, Any]) -> list[str]:
         _num(s["kvmerge_us_per_step"], 1),
         "-" if share != share else f"{share * 100:.2f}%",
         _num(s["events_per_step"], 1),
+        _num(s["worker_us_per_output"], 1),
+        _num(s["bytes_per_output"], 0),
     ]
 
 
@@ -156,6 +181,34 @@ def table(summary: Mapping[str, Mapping[str, Any]], markdown: bool = False) -> s
             ).rstrip()
         )
     return "\n".join(out)
+
+
+def paired(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """kvmerge's request throughput over the baseline's in each round that
+    ran both (runs of one round are neighbours in time: the host's drift
+    mostly cancels), their mean and its 95% t interval; None without two
+    such rounds."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in runs:
+        x = r["result"]
+        req_s = int(x["completed"]) / float(x["duration"]) if x["duration"] else 0.0
+        by_round.setdefault(int(r["round"]), {})[r["config"]] = req_s
+    ratios = [
+        rs[OURS] / rs[BASELINE]
+        for _, rs in sorted(by_round.items())
+        if OURS in rs and BASELINE in rs and rs[BASELINE]
+    ]
+    n = len(ratios)
+    if n < 2:
+        return None
+    mean = sum(ratios) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in ratios) / (n - 1))
+    return {
+        "rounds": n,
+        "ratios": ratios,
+        "mean": mean,
+        "half": t95(n - 1) * sd / math.sqrt(n),
+    }
 
 
 def verdict(summary: Mapping[str, Mapping[str, Any]]) -> str:
@@ -185,10 +238,18 @@ def render(doc: Mapping[str, Any], markdown: bool = False) -> str:
     loads = ", ".join(
         f"{r['config']} {r['load'][0]:.2f}->{r['load'][1]:.2f}" for r in doc["runs"]
     )
+    pairs = paired(doc["runs"])
+    interval = (
+        f"paired by round ({pairs['rounds']} rounds): {pairs['mean'] * 100:.1f}% "
+        f"+/- {pairs['half'] * 100:.1f}% (95% t interval)"
+        if pairs is not None
+        else "paired by round: needs two rounds of both"
+    )
     parts = [
         table(summary, markdown),
         "",
         verdict(summary),
+        interval,
         f"order: {order}",
         f"load average (1 min) before -> after each run: {loads}",
     ]

@@ -29,20 +29,24 @@ from kvmerge.sim.server import Server, ServerOptions, cpu_python
 @dataclass(frozen=True)
 class Config:
     """A configuration: vLLM's MultiConnector or kvmerge's over the same
-    children, KV events on or off."""
+    children, KV events on or off; ``drain``: MultiConnector's workers drain
+    the children's events and drop them (``kvmerge.sim.baseline``)."""
 
     name: str
     kvmerge: bool
     kv_events: bool
+    drain: bool = False
 
 
-#: (a), (b), (c): the same children under each; (c) is (b) without
-#: ``--kv-events-config``, so that (c) -> (b) is the cost of vLLM's own KV
-#: events and (b) -> (a) kvmerge's.
+#: The same children under each. ``drain`` is ``multi`` with the children's
+#: own work of building their events, as under kvmerge: ``drain`` ->
+#: ``kvmerge`` is kvmerge's cost. ``events-off`` is ``multi`` without
+#: ``--kv-events-config``: ``events-off`` -> ``multi`` is vLLM's own KV events'.
 CONFIGS = {
     c.name: c
     for c in (
         Config("kvmerge", kvmerge=True, kv_events=True),
+        Config("drain", kvmerge=False, kv_events=True, drain=True),
         Config("multi", kvmerge=False, kv_events=True),
         Config("events-off", kvmerge=False, kv_events=False),
     )
@@ -61,6 +65,9 @@ SERIES = {
     "kvmerge_reports": "vllm:kvmerge_reports_total",
     "kvmerge_published": "vllm:kvmerge_published_total",
     "kvmerge_refused": "vllm:kvmerge_refused_total",
+    "kvmerge_worker_outputs": "vllm:kvmerge_worker_outputs_total",
+    "kvmerge_worker_encode_seconds": "vllm:kvmerge_worker_encode_seconds_total",
+    "kvmerge_worker_bytes": "vllm:kvmerge_worker_output_bytes_total",
 }
 
 
@@ -88,6 +95,7 @@ def transfer_config(config: Config, args: Any, dir: Path) -> dict[str, Any]:
     """``--kv-transfer-config``: ``kvmerge.sim.served``'s, without the
     children's recording (it writes every rank's reports to disk each step,
     and only under kvmerge: vLLM's MultiConnector never asks for them)."""
+    from kvmerge.sim.baseline import DRAIN_CONNECTOR, DRAIN_MODULE_PATH
     from kvmerge.sim.children import EXTRA_KEY, ChildSettings
     from kvmerge.sim.served import UPSTREAM, ServedOptions, connector_config
 
@@ -99,6 +107,9 @@ def transfer_config(config: Config, args: Any, dir: Path) -> dict[str, Any]:
         seed=args.seed,
     )
     cfg = connector_config(opts, dir / "records", dir / "example")
+    if config.drain:
+        cfg["kv_connector"] = DRAIN_CONNECTOR
+        cfg["kv_connector_module_path"] = DRAIN_MODULE_PATH
     for child in cfg["kv_connector_extra_config"]["connectors"]:
         extra = child["kv_connector_extra_config"]
         if EXTRA_KEY in extra:

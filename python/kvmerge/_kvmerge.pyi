@@ -336,6 +336,11 @@ class WorkerOutput:
         """The worker's settings: its first output's only."""
 
     @property
+    def nbytes(self) -> int:
+        """The bytes of its buffer: what travels, beside any native
+        container (0 for a damaged output)."""
+
+    @property
     def damage(self) -> str | None:
         """Why the buffer is not an output (unpickled from a damaged message)."""
 

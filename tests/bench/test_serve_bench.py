@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from benches.serve import main, order, parse
-from benches.serve.report import percentile, ratio, render, summaries, verdict
+from benches.serve.report import (
+    paired,
+    percentile,
+    ratio,
+    render,
+    summaries,
+    t95,
+    verdict,
+)
 from benches.serve.runner import CONFIGS, delta, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +37,7 @@ def test_the_module_and_its_options_import_no_vllm():
 
 def test_options():
     args = parse([])
-    assert args.configs == ["kvmerge", "multi", "events-off"] == list(CONFIGS)
+    assert args.configs == ["kvmerge", "drain", "multi", "events-off"] == list(CONFIGS)
     assert (args.rounds, args.tp, args.num_prompts) == (2, 2, 960)
     assert not args.example
     quick = parse(["--quick", "--configs", "multi,kvmerge"])
@@ -55,10 +63,12 @@ def test_rounds_alternate_their_order():
 
 
 def test_configurations_differ_only_in_connector_and_events():
-    k, m, off = CONFIGS["kvmerge"], CONFIGS["multi"], CONFIGS["events-off"]
-    assert (k.kvmerge, k.kv_events) == (True, True)
-    assert (m.kvmerge, m.kv_events) == (False, True)
-    assert (off.kvmerge, off.kv_events) == (False, False)
+    k, d, m = CONFIGS["kvmerge"], CONFIGS["drain"], CONFIGS["multi"]
+    off = CONFIGS["events-off"]
+    assert (k.kvmerge, k.kv_events, k.drain) == (True, True, False)
+    assert (d.kvmerge, d.kv_events, d.drain) == (False, True, True)
+    assert (m.kvmerge, m.kv_events, m.drain) == (False, True, False)
+    assert (off.kvmerge, off.kv_events, off.drain) == (False, False, False)
 
 
 METRICS = """\
@@ -81,10 +91,12 @@ def test_metrics_are_summed_over_labels_and_differenced():
     assert d["kvmerge_step_seconds"] is None
 
 
-def record(config, duration, completed, ttfts, itls, metrics, load=(1.0, 1.5)):
+def record(
+    config, duration, completed, ttfts, itls, metrics, load=(1.0, 1.5), round_=0
+):
     return {
         "config": config,
-        "round": 0,
+        "round": round_,
         "load": list(load),
         "result": {
             "duration": duration,
@@ -110,17 +122,20 @@ RUNS = [
             "kvmerge_steps": 400.0,
             "kvmerge_step_seconds": 0.2,
             "kvmerge_published": 800.0,
+            "kvmerge_worker_outputs": 800.0,
+            "kvmerge_worker_encode_seconds": 0.05,
+            "kvmerge_worker_bytes": 2_400_000.0,
         },
     ),
     record(
-        "multi",
+        "drain",
         9.8,
         40,
         [0.1, 0.2, 0.4],
         [[0.01], [0.02, 0.04]],
         {"engine_steps": 392.0, "kvmerge_steps": None},
     ),
-    record("multi", 10.2, 40, [0.2], [[0.02]], {"engine_steps": 408.0}),
+    record("drain", 10.2, 40, [0.2], [[0.02]], {"engine_steps": 408.0}, round_=1),
     record(
         "kvmerge",
         10.0,
@@ -132,7 +147,11 @@ RUNS = [
             "kvmerge_steps": 400.0,
             "kvmerge_step_seconds": 0.2,
             "kvmerge_published": 800.0,
+            "kvmerge_worker_outputs": 800.0,
+            "kvmerge_worker_encode_seconds": 0.05,
+            "kvmerge_worker_bytes": 2_400_000.0,
         },
+        round_=1,
     ),
 ]
 
@@ -146,8 +165,8 @@ def test_percentiles_are_numpys_linear_ones():
 
 def test_runs_are_pooled_per_configuration():
     s = summaries(RUNS)
-    assert list(s) == ["kvmerge", "multi"]
-    k, m = s["kvmerge"], s["multi"]
+    assert list(s) == ["kvmerge", "drain"]
+    k, m = s["kvmerge"], s["drain"]
     assert k["runs"] == 2 and k["completed"] == 80
     assert k["req_s"] == pytest.approx(80 / 20.0)
     assert m["req_s"] == pytest.approx(80 / 20.0)
@@ -179,13 +198,14 @@ def test_a_slower_kvmerge_misses_the_target():
 def test_the_table_as_text_and_markdown(tmp_path, capsys):
     doc = {"runs": RUNS}
     text = render(doc)
-    head, kvmerge_row, multi_row = text.splitlines()[:3]
+    head, kvmerge_row, drain_row = text.splitlines()[:3]
     assert head.split()[:3] == ["config", "runs", "req/s"]
     assert kvmerge_row.split()[:3] == ["kvmerge", "2", "4.00"]
-    # step ms, kvmerge us/step, its share of the step, events per step
-    assert kvmerge_row.split()[-4:] == ["25.0", "500", "2.00%", "2.0"]
-    assert multi_row.split()[0] == "multi" and multi_row.rstrip().endswith("-")
-    assert "order: kvmerge multi multi kvmerge" in text
+    # step ms, kvmerge us/step, its share of the step, events per step, the
+    # workers' time and bytes per output
+    assert kvmerge_row.split()[-6:] == ["25.0", "500", "2.00%", "2.0", "62.5", "3000"]
+    assert drain_row.split()[0] == "drain" and drain_row.rstrip().endswith("-")
+    assert "order: kvmerge drain drain kvmerge" in text
     md = render(doc, markdown=True).splitlines()
     assert md[0].startswith("| config | runs | req/s |")
     assert md[1].startswith("| --- | ---: | ---: |")
@@ -194,6 +214,19 @@ def test_the_table_as_text_and_markdown(tmp_path, capsys):
     saved.write_text(json.dumps(doc))
     assert main(["--render", str(saved), "--markdown"]) == 0
     assert capsys.readouterr().out.strip() == "\n".join(md)
+
+
+def test_the_ratio_is_paired_by_round_with_its_interval():
+    # Rounds 0 and 1: 40/10.0 over 40/9.8, then 40/10.0 over 40/10.2.
+    p = paired(RUNS)
+    assert p is not None and p["rounds"] == 2
+    assert p["ratios"] == pytest.approx([0.98, 1.02])
+    assert p["mean"] == pytest.approx(1.0)
+    # sd 0.02*sqrt(2), n 2, t(1) 12.706: the half-width.
+    assert p["half"] == pytest.approx(12.706 * 0.02 * math.sqrt(2) / math.sqrt(2))
+    assert "paired by round (2 rounds): 100.0% +/- 25.4%" in render({"runs": RUNS})
+    assert paired(RUNS[:2]) is None
+    assert t95(1) == 12.706 and t95(11) == t95(10) and t95(100) == 1.96
 
 
 def test_a_failed_request_is_reported():
@@ -221,3 +254,32 @@ def test_no_child_records_its_reports(tmp_path):
         assert cfg["kv_connector"] == (
             "KVMergeMultiConnector" if config.kvmerge else "MultiConnector"
         )
+        assert cfg.get("kv_connector_module_path") == (
+            "kvmerge.sim.baseline" if config.drain else None
+        )
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("drain", [True, False])
+def test_the_drain_baseline_has_its_children_build_their_events(drain):
+    """``drain``'s workers ask every child for its events each step, as
+    kvmerge's do, and send none; plain MultiConnector never asks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvmerge.sim.baseline import DRAIN_CONNECTOR, DRAIN_MODULE_PATH
+    from kvmerge.sim.children import entry
+    from kvmerge.sim.model import connector_config, create_connector, worker_config
+
+    cfg = connector_config(
+        [entry("lmcache", 0), entry("mooncake", 1)],
+        tp=2,
+        connector=DRAIN_CONNECTOR if drain else "MultiConnector",
+        module_path=DRAIN_MODULE_PATH if drain else None,
+    )
+    worker = create_connector(worker_config(cfg, 1), KVConnectorRole.WORKER)
+    assert type(worker).__name__ == (
+        "DrainingMultiConnector" if drain else "MultiConnector"
+    )
+    for _ in range(3):
+        assert worker.get_kv_connector_kv_cache_events() is None
+    assert [child.step for child in worker._connectors] == [3 if drain else 0] * 2

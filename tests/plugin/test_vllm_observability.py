@@ -44,7 +44,13 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from kvmerge.sim.model import model_dir
 from kvmerge.sim.transport import shm_roundtrip
-from kvmerge.vllm.stats import METRIC_NAMES, STEP_METRIC_NAMES
+from kvmerge.vllm.stats import (
+    METRIC_NAMES,
+    STEP_METRIC_NAMES,
+    WORKER_METRIC_NAMES,
+    WORKER_REPORT_NS,
+    WorkerMeter,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -232,14 +238,20 @@ def stats_child(name: str = "StatsChild", **extra) -> dict:
     return {**child(name, **extra), "kv_connector_module_path": __name__}
 
 
-def engine_step(c: Cluster, ranks=None) -> SchedulerStats:
-    """One step, the stats as the engine core sends them to the front end."""
+def engine_step(
+    c: Cluster, ranks=None, sent: list[int] | None = None
+) -> SchedulerStats:
+    """One step, the stats as the engine core sends them to the front end
+    (each worker output's bytes appended to ``sent``)."""
     ranks = range(c.world_size) if ranks is None else ranks
     outputs = []
     for r in ranks:
         worker = c.workers[r]
-        # KVConnectorModelRunnerMixin: the worker connector's stats.
+        # KVConnectorModelRunnerMixin: the worker connector's stats, then its events.
         out = worker_output(worker, kv_connector_stats=worker.get_kv_connector_stats())
+        if sent is not None:
+            (made,) = out.kv_connector_output.kv_cache_events.outputs
+            sent.append(made.nbytes)
         outputs.append(shm_roundtrip(out)[0])
     output = c.aggregator.aggregate(outputs, output_rank=0)
     kv_out = output.kv_connector_output
@@ -265,6 +277,19 @@ def sample(text: str, name: str, connector: str) -> float:
             assert labels["model_name"] == "tiny" and labels["engine"] == "0"
             return float(m["value"])
     raise AssertionError(f"no {name} for {connector}:\n{text}")
+
+
+def transfer_line(logging_logger: LoggingStatLogger, caplog) -> str:
+    """The periodic "KV Transfer metrics" line the logger writes now (an idle
+    engine's: at DEBUG)."""
+    with caplog.at_level(logging.DEBUG, logger="vllm"):
+        logging_logger.log()
+    (line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("KV Transfer metrics")
+    ]
+    return line
 
 
 def test_counters_reach_prometheus_and_the_logging_line(bus, model_config, caplog):
@@ -333,13 +358,7 @@ def test_counters_reach_prometheus_and_the_logging_line(bus, model_config, caplo
     assert loads is not None and float(loads[1]) == 2 + 1 + 1
 
     # The periodic logging line (idle engine: at DEBUG).
-    with caplog.at_level(logging.DEBUG, logger="vllm"):
-        logging_logger.log()
-    (line,) = [
-        r.getMessage()
-        for r in caplog.records
-        if r.getMessage().startswith("KV Transfer metrics")
-    ]
+    line = transfer_line(logging_logger, caplog)
     assert "StatsChild={'loads': 4}" in line
     assert (
         f"kvmerge={{'{child0}': 'reports=6 published=2 expired=1 cleared=0 "
@@ -418,13 +437,7 @@ def test_the_connectors_own_step_time_reaches_prometheus_and_the_log(
         sample(text, "vllm:kvmerge_published_total", "connectors[0] (SlowChild)") == 6
     )
 
-    with caplog.at_level(logging.DEBUG, logger="vllm"):
-        logging_logger.log()
-    (line,) = [
-        r.getMessage()
-        for r in caplog.records
-        if r.getMessage().startswith("KV Transfer metrics")
-    ]
+    line = transfer_line(logging_logger, caplog)
     m = re.search(
         r"kvmerge_step=\{'steps': (\d+), 'ms': ([\d.]+), 'us_per_step': ([\d.]+)\}",
         line,
@@ -434,3 +447,73 @@ def test_the_connectors_own_step_time_reaches_prometheus_and_the_log(
     assert float(m[2]) == pytest.approx(seconds * 1e3, abs=1e-3)
     assert float(m[3]) == pytest.approx(seconds * 1e6 / steps, abs=0.1)
     assert float(m[3]) >= SLOW_S * 1e6
+
+
+def test_the_workers_encode_time_and_bytes_reach_prometheus_and_the_log(
+    bus, model_config, caplog, monkeypatch
+):
+    """Every worker's outputs, kvmerge's time making them and their bytes,
+    summed over the ranks by vLLM's aggregator, as each worker reported them
+    (a worker reports its outputs at the next step's stats call)."""
+    monkeypatch.setattr(WorkerMeter, "interval_ns", 0)
+    c = Cluster([child("LMCacheChild", kv_events_merge="all")], bus, tp=2)
+    cfg = copy.copy(c.cfg)
+    cfg.model_config = model_config
+    prom = PrometheusStatLogger(cfg)
+    logging_logger = LoggingStatLogger(cfg)
+    steps = 6
+    sent: list[int] = []
+    for step in range(steps + 1):
+        if step < steps:
+            for r in (0, 1):
+                c.emit(r, 0, [stored(10 * step + k + 1) for k in range(step + 1)])
+        stats = engine_step(c, sent=sent)
+        prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+        logging_logger.record(scheduler_stats=stats, iteration_stats=None)
+    # The last step's outputs are reported at the step after it.
+    reported = sent[: 2 * steps]
+    assert len(set(reported)) > 1, "outputs of several sizes"
+    text = generate_latest(REGISTRY).decode()
+    outputs_name, seconds_name, bytes_name = WORKER_METRIC_NAMES
+    for name in WORKER_METRIC_NAMES:
+        assert f"# TYPE {name} counter\n" in text, name
+    assert engine_sample(text, outputs_name) == 2 * steps
+    assert engine_sample(text, bytes_name) == sum(reported)
+    seconds = engine_sample(text, seconds_name)
+    assert 0 < seconds < 1.0
+
+    line = transfer_line(logging_logger, caplog)
+    m = re.search(
+        r"kvmerge_worker=\{'outputs': (\d+), 'us_per_output': ([\d.]+), "
+        r"'bytes_per_output': (\d+)\}",
+        line,
+    )
+    assert m is not None, line
+    assert int(m[1]) == 2 * steps
+    assert float(m[2]) == pytest.approx(seconds * 1e6 / (2 * steps), abs=0.1)
+    assert int(m[3]) == round(sum(reported) / (2 * steps))
+
+
+def test_a_worker_reports_at_most_once_an_interval():
+    """What a worker adds to its step's message is nothing most steps; no
+    output is lost between two reports."""
+    meter = WorkerMeter()
+    assert meter.collect(0) is None, "nothing made yet"
+    meter.add(1_000, 100)
+    first = meter.collect(0)
+    assert first is not None and first.data == {
+        "outputs": 1,
+        "encode_ns": 1_000,
+        "bytes": 100,
+    }
+    meter.add(2_000, 300)
+    assert meter.collect(WORKER_REPORT_NS - 1) is None
+    meter.add(3_000, 500)
+    later = meter.collect(WORKER_REPORT_NS)
+    assert later is not None
+    assert later.data == {"outputs": 2, "encode_ns": 5_000, "bytes": 800}
+    assert later.reduce() == {
+        "outputs": 2,
+        "us_per_output": 2.5,
+        "bytes_per_output": 400,
+    }

@@ -201,13 +201,13 @@ CASES: list[tuple[str, Callable[[], object]]] = [
     ),
     # -- received buffers
     ("from_buffer(b'')", lambda: EventBatch.from_buffer(b"")),
-    ("from_buffer(24 bytes of 'x')", lambda: EventBatch.from_buffer(b"x" * 24)),
+    ("from_buffer(32 bytes of 'x')", lambda: EventBatch.from_buffer(b"x" * 32)),
     (
         "from_buffer(msgspec bytes of events)",
         lambda: EventBatch.from_buffer(msgspec.msgpack.encode([stored()]) * 2),
     ),
-    ("from_buffer: version byte 2 (older)", lambda: EventBatch.from_buffer(edit(4, 2))),
-    ("from_buffer: version byte 4", lambda: EventBatch.from_buffer(edit(4, 4))),
+    ("from_buffer: version byte 3 (older)", lambda: EventBatch.from_buffer(edit(4, 3))),
+    ("from_buffer: version byte 5", lambda: EventBatch.from_buffer(edit(4, 5))),
     ("from_buffer: reserved byte set", lambda: EventBatch.from_buffer(edit(6, 1))),
     ("from_buffer: event count + 1", lambda: EventBatch.from_buffer(edit(8, 3))),
     ("from_buffer: last byte cut", lambda: EventBatch.from_buffer(good()[:-1])),

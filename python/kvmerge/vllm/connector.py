@@ -68,6 +68,7 @@ from .stats import (
     StatsTracker,
     StepTimer,
     WithKVMergePromMetrics,
+    WorkerMeter,
     build_stats,
     with_merge_stats,
 )
@@ -193,6 +194,8 @@ class KVMergeMultiConnector(MultiConnector):
         self._rank: int | None = None
         #: Worker side: how many outputs this worker has made.
         self._seq = 0
+        #: Worker side: kvmerge's own time making them, and their bytes.
+        self._meter = WorkerMeter()
         self._children: list[_Child] = []
         #: Scheduler side: its engine steps and its own time in them.
         self._timer = StepTimer()
@@ -242,6 +245,8 @@ class KVMergeMultiConnector(MultiConnector):
 
     def get_kv_connector_kv_cache_events(self) -> KVMergeKVEvents:
         entries: list[Any] = [None] * len(self._connectors)
+        # kvmerge's own time: encoding and the output, not the children's calls.
+        encode_ns = 0
         for i, (spec, connector) in enumerate(
             zip(self._spec.children, self._connectors, strict=True)
         ):
@@ -264,11 +269,13 @@ class KVMergeMultiConnector(MultiConnector):
                     else None
                 )
                 events = container.get_all_events()
+                started = perf_counter_ns()
                 batch = (
                     self._encode(events, spec, family, factors)
                     if events
                     else _empty_batch()
                 )
+                encode_ns += perf_counter_ns() - started
             except Exception as e:
                 # On the step path: this child's events of this step are
                 # lost, the rest goes on; the scheduler counts and logs it.
@@ -288,6 +295,7 @@ class KVMergeMultiConnector(MultiConnector):
             entries[i] = (family, batch, factors)
         seq = self._seq
         self._seq += 1
+        started = perf_counter_ns()
         output = WorkerOutput.for_step(
             self.worker_rank,
             seq,
@@ -298,7 +306,9 @@ class KVMergeMultiConnector(MultiConnector):
             if seq == 0
             else None,
         )
-        return KVMergeKVEvents.for_worker(output)
+        container = KVMergeKVEvents.for_worker(output)
+        self._meter.add(encode_ns + perf_counter_ns() - started, output.nbytes)
+        return container
 
     def _encode(
         self,
@@ -465,11 +475,15 @@ class KVMergeMultiConnector(MultiConnector):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The children's stats as ``MultiConnector`` returns them; on the
         scheduler side, with kvmerge's counters and its steps and time since
-        the previous call."""
+        the previous call; on a worker, with the outputs kvmerge made, its
+        time making them and their bytes (at most once a second)."""
         started = perf_counter_ns()
         children_stats = super().get_kv_connector_stats()
         if not self._children:
-            return children_stats
+            # Worker side (the scheduler always has children).
+            return with_merge_stats(
+                children_stats, None, worker=self._meter.collect(started)
+            )
         tracker = self.__dict__.get("_stats_tracker")
         if tracker is None:
             tracker = self._stats_tracker = StatsTracker()

@@ -45,13 +45,28 @@ what it adds to the engine's busy loop). Prometheus, labels ``model_name`` and
 ``engine``: ``vllm:kvmerge_steps_total`` and ``vllm:kvmerge_step_seconds_total``
 (counters: their rates' ratio is the mean time per step); the log line:
 ``kvmerge_step={'steps': 120, 'ms': 4.2, 'us_per_step': 35.0}``.
+
+The workers' side goes beside them, under ``WORKER_KEY``
+(``"kvmerge_worker"``), in a ``KVMergeWorkerStats`` that each worker's
+``get_kv_connector_stats`` returns and vLLM's aggregator sums over the
+ranks: the worker outputs kvmerge made, the nanoseconds it spent making them
+(encoding each merged child's events and writing the output's buffer; the
+children's own calls not included) and the bytes of their buffers (what
+travels to the scheduler, beside any native container). A worker reports at
+most once a second (``WorkerMeter``): what it adds to each step's message is
+nothing most steps. Prometheus, labels ``model_name`` and ``engine``:
+``vllm:kvmerge_worker_outputs_total``,
+``vllm:kvmerge_worker_encode_seconds_total`` and
+``vllm:kvmerge_worker_output_bytes_total`` (counters: the encode time and
+bytes per output are their rates' ratios); the log line:
+``kvmerge_worker={'outputs': 240, 'us_per_output': 35.0, 'bytes_per_output': 3622}``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -91,6 +106,19 @@ STEP_KEY: Final = "kvmerge_step"
 STEPS: Final = "steps"
 STEP_NS: Final = "ns"
 STEP_METRIC_NAMES: Final = (f"{PREFIX}steps_total", f"{PREFIX}step_seconds_total")
+#: The workers' side, beside ``KEY``.
+WORKER_KEY: Final = "kvmerge_worker"
+#: ``KVMergeWorkerStats.data``'s counters: outputs, nanoseconds, bytes.
+OUTPUTS: Final = "outputs"
+ENCODE_NS: Final = "encode_ns"
+OUTPUT_BYTES: Final = "bytes"
+WORKER_METRIC_NAMES: Final = (
+    f"{PREFIX}worker_outputs_total",
+    f"{PREFIX}worker_encode_seconds_total",
+    f"{PREFIX}worker_output_bytes_total",
+)
+#: How often, at most, a worker reports (nanoseconds).
+WORKER_REPORT_NS: Final = 1_000_000_000
 
 _MERGER_COUNTERS: Final = ("reports", "published", "expired", "cleared", "withheld")
 _DOC: Final = {
@@ -166,10 +194,75 @@ class KVMergeStepStats(KVConnectorStats):
         return not self.data.get(STEPS) and not self.data.get(STEP_NS)
 
 
+@dataclass
+class KVMergeWorkerStats(KVConnectorStats):
+    """``data``: ``{"outputs": n, "encode_ns": n, "bytes": n}``, over the
+    interval covered and every worker whose stats were aggregated in
+    (increments)."""
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys((OUTPUTS, ENCODE_NS, OUTPUT_BYTES), 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name in (OUTPUTS, ENCODE_NS, OUTPUT_BYTES):
+            self.data[name] = self.data.get(name, 0) + other.data.get(name, 0)
+        return self
+
+    def reduce(self) -> dict[str, Any]:
+        outputs = self.data.get(OUTPUTS, 0)
+        ns, nbytes = self.data.get(ENCODE_NS, 0), self.data.get(OUTPUT_BYTES, 0)
+        return {
+            "outputs": outputs,
+            "us_per_output": round(ns / 1e3 / outputs, 1) if outputs else 0.0,
+            "bytes_per_output": round(nbytes / outputs) if outputs else 0,
+        }
+
+    def is_empty(self) -> bool:
+        return not self.data.get(OUTPUTS)
+
+
+class WorkerMeter:
+    """Worker side: the outputs kvmerge made, its nanoseconds making them
+    and their bytes, totals; ``collect`` the increments since the previous
+    report, at most once every ``interval_ns`` (None in between)."""
+
+    __slots__ = ("_last", "_reported_at", "bytes", "ns", "outputs")
+
+    #: The least time between two reports (nanoseconds).
+    interval_ns: ClassVar[int] = WORKER_REPORT_NS
+
+    def __init__(self) -> None:
+        self.outputs = self.ns = self.bytes = 0
+        self._last = (0, 0, 0)
+        self._reported_at: int | None = None
+
+    def add(self, ns: int, nbytes: int) -> None:
+        self.outputs += 1
+        self.ns += ns
+        self.bytes += nbytes
+
+    def collect(self, now_ns: int) -> KVMergeWorkerStats | None:
+        due = (
+            self._reported_at is None or now_ns - self._reported_at >= self.interval_ns
+        )
+        if not due or self.outputs == self._last[0]:
+            return None
+        totals = (self.outputs, self.ns, self.bytes)
+        data = {
+            name: now - last
+            for name, now, last in zip(
+                (OUTPUTS, ENCODE_NS, OUTPUT_BYTES), totals, self._last, strict=True
+            )
+        }
+        self._last, self._reported_at = totals, now_ns
+        return KVMergeWorkerStats(data=data)
+
+
 #: Our entries in ``MultiKVConnectorStats.data``, and their classes.
 _OURS: Final[dict[str, type[KVConnectorStats]]] = {
     KEY: KVMergeStats,
     STEP_KEY: KVMergeStepStats,
+    WORKER_KEY: KVMergeWorkerStats,
 }
 
 
@@ -224,12 +317,13 @@ class StatsTracker:
 
 def with_merge_stats(
     children: KVConnectorStats | None,
-    ours: KVMergeStats,
+    ours: KVMergeStats | None,
     step: KVMergeStepStats | None = None,
+    worker: KVMergeWorkerStats | None = None,
 ) -> KVConnectorStats | None:
     """The children's stats as ``MultiConnector`` returns them, plus ours
     (each only when it holds something)."""
-    for key, stats in ((KEY, ours), (STEP_KEY, step)):
+    for key, stats in ((KEY, ours), (STEP_KEY, step), (WORKER_KEY, worker)):
         if stats is None or stats.is_empty():
             continue
         if children is None:
@@ -243,7 +337,7 @@ def build_stats(
     build_children: Callable[[dict[str, Any] | None], KVConnectorStats | None],
 ) -> KVConnectorStats | None:
     """``build_kv_connector_stats``: ours rebuilt, the rest by ``MultiConnector``."""
-    if data is None or (KEY not in data and STEP_KEY not in data):
+    if data is None or not any(key in data for key in _OURS):
         return build_children(data)
     stats = build_children({k: v for k, v in data.items() if k not in _OURS})
     if stats is None:
@@ -299,6 +393,31 @@ class KVMergePromMetrics(KVConnectorPromMetrics):
             "take_events).",
             labelnames=labelnames,
         )
+        worker_docs = (
+            "Worker outputs kvmerge made, every worker's (one per worker and step).",
+            "Seconds the workers spent making them: encoding each merged child's "
+            "events and writing the output's buffer.",
+            "Bytes of those outputs' buffers (what travels to the scheduler).",
+        )
+        self.worker: dict[str, Counter] = {
+            key: self._counter_cls(
+                name=name.removesuffix("_total"),
+                documentation=doc,
+                labelnames=labelnames,
+            )
+            for key, name, doc in zip(
+                (OUTPUTS, ENCODE_NS, OUTPUT_BYTES),
+                WORKER_METRIC_NAMES,
+                worker_docs,
+                strict=True,
+            )
+        }
+
+    def observe_worker(self, data: dict[str, Any], engine_idx: int = 0) -> None:
+        labelvalues = self.per_engine_labelvalues[engine_idx]
+        for key, counter in self.worker.items():
+            value = max(0, data.get(key, 0))
+            counter.labels(*labelvalues).inc(value / 1e9 if key == ENCODE_NS else value)
 
     def observe_step(self, data: dict[str, Any], engine_idx: int = 0) -> None:
         labelvalues = self.per_engine_labelvalues[engine_idx]
@@ -339,7 +458,12 @@ class WithKVMergePromMetrics(KVMergePromMetrics):
             if isinstance(step, KVConnectorStats):
                 step = step.to_dict()
             self.observe_step(step, engine_idx)
-        if ours is not None or step is not None:
+        worker = transfer_stats_data.get(WORKER_KEY)
+        if worker is not None:
+            if isinstance(worker, KVConnectorStats):
+                worker = worker.to_dict()
+            self.observe_worker(worker, engine_idx)
+        if any(key in transfer_stats_data for key in _OURS):
             transfer_stats_data = {
                 k: v for k, v in transfer_stats_data.items() if k not in _OURS
             }

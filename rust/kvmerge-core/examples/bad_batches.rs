@@ -11,7 +11,7 @@
 //! text).
 
 use kvmerge_core::batch::{HEADER_LEN, RECORD_LEN};
-use kvmerge_core::testing::{batch, removed, stored};
+use kvmerge_core::testing::{batch, removed, reseal, stored};
 use kvmerge_core::Batch;
 
 /// A valid batch of two events, as received bytes.
@@ -23,8 +23,7 @@ fn good() -> Vec<u8> {
 fn forged(edit: impl Fn(&mut Vec<u8>)) -> Vec<u8> {
     let mut b = good();
     edit(&mut b);
-    let sum = xxhash_rust::xxh3::xxh3_64(&b[HEADER_LEN..]);
-    b[16..24].copy_from_slice(&sum.to_le_bytes());
+    reseal(&mut b);
     b
 }
 
@@ -54,7 +53,7 @@ fn main() {
         ),
         (
             "record reserved byte set",
-            forged(|b| b[record(1) + 30] = 1),
+            forged(|b| b[record(1) + 26] = 1),
         ),
         (
             "record offset inside the previous event",

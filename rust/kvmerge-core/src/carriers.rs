@@ -105,6 +105,13 @@ impl Carriers {
         }
     }
 
+    /// The first of an event's carriers; the others follow it, going round.
+    pub fn first(&self, identity: &Identity) -> usize {
+        // Multiply-shift maps the 64 bits onto [0, w) as evenly as `%`,
+        // without a division: this runs for every uncarried record received.
+        ((identity.spread() as u128 * self.world_size as u128) >> 64) as usize
+    }
+
     /// Whether `rank` must carry the bytes of this event (see the module docs).
     pub fn carries(
         &self,
@@ -118,9 +125,7 @@ impl Carriers {
         if carriers >= w {
             return true;
         }
-        // Multiply-shift maps the 64 bits onto [0, w) as evenly as `%`,
-        // without a division: this runs for every uncarried record received.
-        let first = ((identity.spread() as u128 * w as u128) >> 64) as usize;
+        let first = self.first(identity);
         // `rank`'s distance after `first`, going round: `(rank - first) mod w`.
         let after = if rank >= first {
             rank - first

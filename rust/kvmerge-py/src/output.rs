@@ -313,6 +313,11 @@ impl PyWorkerOutput {
     }
 
     #[getter]
+    fn nbytes(&self) -> usize {
+        self.read.as_ref().map_or(0, |r| r.whole.bytes().len())
+    }
+
+    #[getter]
     fn damage(&self) -> Option<&str> {
         self.read.as_ref().err().map(|d| d.why.as_str())
     }

@@ -81,21 +81,17 @@ fn complete(m: &mut Merger, held: &[usize]) -> Option<Published> {
     }
     let pending = m.slots.arc(h0.slot);
     // The late ranks complete the held batches...
-    let late_complete = (0..w).filter(|&r| m.held[r].is_empty()).all(|r| {
-        m.incoming[r]
-            .as_ref()
-            .is_some_and(|b| b.identity_column_eq(&pending))
-    });
+    let late_complete = (0..w)
+        .filter(|&r| m.held[r].is_empty())
+        .all(|r| m.incoming[r].as_ref().is_some_and(|b| b.alike(&pending)));
     if !late_complete {
         return None;
     }
     // ...and the others' new batches can be held in turn.
     let next = m.incoming[first].clone()?;
-    let all_new = held.iter().all(|&r| {
-        m.incoming[r]
-            .as_ref()
-            .is_some_and(|b| b.identity_column_eq(&next))
-    });
+    let all_new = held
+        .iter()
+        .all(|&r| m.incoming[r].as_ref().is_some_and(|b| b.alike(&next)));
     if !all_new || (!next.is_empty() && !holdable(m, &next)) {
         return None;
     }
@@ -116,10 +112,12 @@ fn complete(m: &mut Merger, held: &[usize]) -> Option<Published> {
         })
         .collect();
     let rule = m.cfg.carriers.rule;
+    let indices = fast::published(rule, &pending, &mut m.scratch);
     let out = fast::carried(
+        &m.cfg.carriers,
         &batches.iter().collect::<Vec<_>>(),
-        fast::published(rule, &pending, &mut m.scratch),
-    );
+        indices,
+    )?;
     let n = pending.len() as u64;
     for &r in held {
         let h = m.held[r].pop_front().expect("held");
@@ -164,11 +162,10 @@ fn hold_alike(m: &mut Merger, ranks: &[usize]) -> Option<()> {
     if first.is_empty() || !holdable(m, &first) {
         return None;
     }
-    if !ranks.iter().all(|&r| {
-        m.incoming[r]
-            .as_ref()
-            .is_some_and(|b| b.identity_column_eq(&first))
-    }) {
+    if !ranks
+        .iter()
+        .all(|&r| m.incoming[r].as_ref().is_some_and(|b| b.alike(&first)))
+    {
         return None;
     }
     hold_incoming(m, ranks);

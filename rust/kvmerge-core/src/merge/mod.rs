@@ -59,6 +59,24 @@ impl Merger {
         self.guard.is_some()
     }
 
+    /// This merger with `add`'s check that a rank carries the bytes it must
+    /// (`check_carriers`) left to `finish_step` (`on`): there it runs only
+    /// where the step does not take the shortcut for a healthy step (which
+    /// finds a carrier for every event it publishes, or declines), so that
+    /// a healthy step costs one rank's events, not every rank's. A batch it
+    /// refuses is dropped as if `add` had refused it, before any rule runs;
+    /// `take_refused` hands over why.
+    pub fn with_deferred_carrier_check(mut self, on: bool) -> Merger {
+        self.defer_carrier_check = on;
+        self
+    }
+
+    /// The batches the deferred carriers check refused in the last steps,
+    /// by rank, with `add`'s error for them.
+    pub fn take_refused(&mut self) -> Vec<(i64, Error)> {
+        std::mem::take(&mut self.refused)
+    }
+
     /// The step now being collected, counted from 0.
     pub fn step(&self) -> u64 {
         self.step
@@ -83,7 +101,7 @@ impl Merger {
     /// Records `rank`'s batch for this step. Checks everything first, so a
     /// rejected call changes nothing.
     pub fn add(&mut self, rank: i64, batch: Arc<Batch>) -> Result<()> {
-        let r = self.check(rank, &batch, &[], (0, 0))?;
+        let r = self.check(rank, &batch, &[], (0, 0), None)?;
         self.commit(r, batch);
         Ok(())
     }
@@ -94,7 +112,11 @@ impl Merger {
         let mut ranks = Vec::with_capacity(batches.len());
         let mut load = (0, 0);
         for (rank, batch) in &batches {
-            ranks.push(self.check(*rank, batch, &ranks, load)?);
+            let checked = batches
+                .first()
+                .map(|(_, b)| &**b)
+                .filter(|_| !ranks.is_empty());
+            ranks.push(self.check(*rank, batch, &ranks, load, checked)?);
             load = (
                 load.0 + batch.carried_len() as u64,
                 load.1 + batch.len() as u64,
@@ -107,13 +129,15 @@ impl Merger {
     }
 
     /// Validates one rank's batch; `also_taken` are ranks about to be added
-    /// with it, `also_load` their carried bytes and reports.
+    /// with it, `also_load` their carried bytes and reports, `checked` one of
+    /// their batches (checked already).
     fn check(
         &self,
         rank: i64,
         batch: &Batch,
         also_taken: &[usize],
         also_load: (u64, u64),
+        checked: Option<&Batch>,
     ) -> Result<usize> {
         let world_size = self.cfg.carriers.world_size;
         let r = usize::try_from(rank)
@@ -128,7 +152,11 @@ impl Merger {
         }
         let carriers = &self.cfg.carriers;
         if let (Rule::Quorum, Some(factors)) = (carriers.rule, &carriers.replication_factors) {
-            for i in 0..batch.len() {
+            // Equal identities are equal events, groups included: a batch
+            // alike one this step already took has groups the factors cover.
+            let taken = self.incoming.iter().flatten().map(|b| &**b).chain(checked);
+            let known = taken.take(1).any(|b| b.alike(batch));
+            for i in (0..batch.len()).take_while(|_| !known) {
                 let rec = batch.record(i);
                 if let (None, Some(g)) = (
                     carriers.replication_factor(rec.kind, rec.group_idx),
@@ -142,7 +170,7 @@ impl Merger {
                 }
             }
         }
-        if batch.uncarried() > 0 {
+        if batch.uncarried() > 0 && !self.defer_carrier_check {
             self.check_carriers(r, batch)?;
         }
         self.check_load(r, batch, also_load)?;
@@ -200,7 +228,27 @@ impl Merger {
         self.stats.reports += batch.len() as u64;
         self.incoming_load.0 += batch.carried_len() as u64;
         self.incoming_load.1 += batch.len() as u64;
+        self.unchecked[r] = self.defer_carrier_check && batch.uncarried() > 0;
         self.incoming[r] = Some(batch);
+    }
+
+    /// The carriers checks `add` deferred: a batch that fails is taken back
+    /// as if `add` had refused it.
+    fn check_deferred(&mut self) {
+        for r in 0..self.unchecked.len() {
+            if !std::mem::take(&mut self.unchecked[r]) {
+                continue;
+            }
+            let batch = self.incoming[r].clone().expect("an unchecked rank's batch");
+            if let Err(e) = self.check_carriers(r, &batch) {
+                self.incoming[r] = None;
+                self.stats.batches -= 1;
+                self.stats.reports -= batch.len() as u64;
+                self.incoming_load.0 -= batch.carried_len() as u64;
+                self.incoming_load.1 -= batch.len() as u64;
+                self.refused.push((r as i64, e));
+            }
+        }
     }
 
     /// Closes the step: returns the events that became complete, as one
@@ -224,20 +272,27 @@ impl Merger {
 
     fn finish_step_with(&mut self, shortcut: bool) -> Published {
         let mut out = match self.cfg.carriers.rule {
-            Rule::Any => union::finish(self),
+            Rule::Any => {
+                self.check_deferred();
+                union::finish(self)
+            }
             Rule::All | Rule::Quorum => {
-                if shortcut && fast::applies(self) {
-                    fast::finish(self)
-                } else if let Some(out) = shortcut.then(|| held::finish(self)).flatten() {
+                if let Some(out) = shortcut.then(|| fast::finish(self)).flatten() {
                     out
                 } else {
-                    let out = segment::finish(self);
-                    self.expire();
-                    self.settle();
-                    out
+                    self.check_deferred();
+                    if let Some(out) = shortcut.then(|| held::finish(self)).flatten() {
+                        out
+                    } else {
+                        let out = segment::finish(self);
+                        self.expire();
+                        self.settle();
+                        out
+                    }
                 }
             }
         };
+        self.unchecked.fill(false);
         if let Some(guard) = &mut self.guard {
             guard.filter(&mut out, &mut self.stats);
         }
@@ -257,6 +312,7 @@ impl Merger {
         self.stats.cleared += dropped;
         self.incoming.iter_mut().for_each(|b| *b = None);
         self.incoming_load = (0, 0);
+        self.unchecked.fill(false);
         self.queues.iter_mut().for_each(Queue::clear);
         self.held.iter_mut().for_each(VecDeque::clear);
         self.live = 0;

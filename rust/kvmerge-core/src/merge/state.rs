@@ -14,7 +14,7 @@ use super::report::{Publication, Report};
 use super::slots::{Released, Slots};
 use super::stats::Stats;
 use crate::batch::Batch;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::identity::IdentitySet;
 use crate::schema::EventKind;
 
@@ -48,6 +48,13 @@ pub struct Merger {
     pub(super) stats: Stats,
     /// The guard, when the merger has one (`Merger::with_guard`).
     pub(super) guard: Option<Box<Guard>>,
+    /// Whether `add` leaves the carriers check to `finish_step`
+    /// (`Merger::with_deferred_carrier_check`).
+    pub(super) defer_carrier_check: bool,
+    /// Per rank: this step's batch still owes its carriers check.
+    pub(super) unchecked: Vec<bool>,
+    /// Batches the deferred check refused, for `take_refused`.
+    pub(super) refused: Vec<(i64, Error)>,
 }
 
 impl Merger {
@@ -70,6 +77,9 @@ impl Merger {
             slots: Slots::default(),
             stats: Stats::default(),
             guard: None,
+            defer_carrier_check: false,
+            unchecked: vec![false; w],
+            refused: Vec::new(),
             cfg,
         })
     }
@@ -80,9 +90,12 @@ impl Merger {
             return 1;
         }
         let rec = batch.record(i);
+        // `check` refused groups without a factor, but for a batch whose
+        // digest lied (its groups were taken as those of the batch it
+        // claimed to be alike): such a report needs every rank.
         carriers
             .replication_factor(rec.kind, rec.group_idx)
-            .expect("check() refused groups without a factor")
+            .unwrap_or(1)
     }
 
     pub(super) fn enqueue_incoming(&mut self) {

@@ -846,3 +846,138 @@ fn quorum_holds_only_what_stays_one_segment_apart() {
         }
     }
 }
+
+/// A batch whose digest lies (copied from another rank's, its checksum
+/// recomputed: only a forger's batch does) never makes the shortcut publish
+/// an event without its bytes: where no rank carries one, the step takes
+/// the general path. No panic, every published event carried and reported.
+#[test]
+fn a_digest_that_lies_publishes_nothing_without_its_bytes() {
+    let carriers = Carriers::new(2, Rule::All);
+    let first = |h: u8| carriers.first(&batch(&[removed(h)]).identity(0));
+    // Event 0: rank 0 reports one only rank 1 carries, rank 1 one only rank 0 does.
+    let h0 = (0..=255u8).find(|&h| first(h) == 1).unwrap();
+    let h1 = (0..=255u8).find(|&h| first(h) == 0).unwrap();
+    let evs0 = vec![removed(h0)];
+    let evs1 = vec![removed(h1)];
+    let b0 = Batch::encode_for(&payload(&evs0), Some((&carriers, 0))).unwrap();
+    let honest = Batch::encode_for(&payload(&evs1), Some((&carriers, 1))).unwrap();
+    let mut bytes = honest.bytes().to_vec();
+    let digest = crate::batch::SUMMED_FROM..crate::batch::HEADER_LEN;
+    bytes[digest.clone()].copy_from_slice(&b0.bytes()[digest]);
+    crate::testing::reseal(&mut bytes);
+    let liar = Batch::from_vec(bytes).unwrap();
+    assert!(liar.alike(&b0) && !honest.alike(&b0));
+    assert!(!b0.carries(0) && !liar.carries(0));
+    let mut m = merger(2, Rule::All, None, 1);
+    m.add(0, Arc::new(b0)).unwrap();
+    m.add(1, Arc::new(liar)).unwrap();
+    let out = m.finish_step();
+    assert_eq!(out.uncarried(), 0);
+    // The general path: the two ranks share no event.
+    assert!(out.is_empty());
+    assert_eq!(m.stats().pending, 2);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(384))]
+
+    /// Leaving the carriers check to `finish_step` changes nothing a step
+    /// publishes or counts, and refuses the same batches as `add` does
+    /// (with one carrier an event: "all", and "quorum" with factor 1), some
+    /// ranks' batches encoded for another world (carrying the wrong bytes).
+    #[test]
+    fn deferring_the_carriers_check_changes_nothing(
+        steps in prop::collection::vec(step_reports(4), 1..6),
+        identical in prop::collection::vec(any::<bool>(), 6),
+        wrong in prop::collection::vec(prop::option::of(0usize..4), 6),
+        quorum in any::<bool>(),
+        pending in 0u64..3,
+    ) {
+        let (rule, factors) = if quorum {
+            (Rule::Quorum, Some(vec![1, 1]))
+        } else {
+            (Rule::All, None)
+        };
+        let mut now = merger(4, rule, factors.clone(), pending);
+        let mut later = merger(4, rule, factors, pending).with_deferred_carrier_check(true);
+        let carriers = now.config().carriers.clone();
+        let other = Carriers { world_size: 8, ..carriers.clone() };
+        for (s, reports) in steps.iter().enumerate() {
+            let mut refused = Vec::new();
+            for r in 0..4 {
+                if let Some(evs) = step_events(reports, if identical[s] { 0 } else { r }) {
+                    let c = if wrong[s] == Some(r) { &other } else { &carriers };
+                    let b = Arc::new(Batch::encode_for(&payload(&evs), Some((c, r))).unwrap());
+                    if let Err(e) = now.add(r as i64, b.clone()) {
+                        refused.push((r as i64, e));
+                    }
+                    later.add(r as i64, b).unwrap();
+                }
+            }
+            let (x, y) = (now.finish_step(), later.finish_step());
+            prop_assert_eq!(ids(&x), ids(&y), "step {}", s);
+            prop_assert_eq!(x.payload(), y.payload());
+            prop_assert_eq!(y.uncarried(), 0);
+            prop_assert_eq!(now.stats(), later.stats(), "step {}", s);
+            prop_assert_eq!(later.take_refused(), refused, "step {}", s);
+        }
+    }
+}
+
+/// The deferred check runs where the shortcut does not serve: a rank that
+/// left out bytes it must carry is refused then, with `add`'s error, and
+/// nothing of its batch stays.
+#[test]
+fn a_deferred_carriers_check_refuses_at_the_end_of_the_step() {
+    let mut m = merger(2, Rule::All, None, 1).with_deferred_carrier_check(true);
+    let carriers = m.config().carriers.clone();
+    let wide = Carriers::new(4, Rule::All);
+    let evs: Vec<Ev> = (1..=40).map(removed).collect();
+    let good = Batch::encode_for(&payload(&evs), Some((&carriers, 1))).unwrap();
+    let bad = Arc::new(Batch::encode_for(&payload(&evs), Some((&wide, 0))).unwrap());
+    let mut strict = merger(2, Rule::All, None, 1);
+    let Err(e) = strict.add(0, bad.clone()) else {
+        panic!("rank 0 of 4 leaves out bytes rank 0 of 2 carries");
+    };
+    m.add(0, bad).unwrap();
+    m.add(1, Arc::new(good)).unwrap();
+    assert!(m.finish_step().is_empty());
+    assert_eq!(m.take_refused(), vec![(0, e)]);
+    assert!(m.take_refused().is_empty());
+    let stats = m.stats();
+    assert_eq!((stats.batches, stats.reports, stats.pending), (1, 40, 40));
+}
+
+/// A batch that claims (by a forged digest) to be alike one already taken
+/// skips the group check; the groups its events really have, which no
+/// factor covers, make no step panic, on the shortcut or the general path.
+#[test]
+fn a_digest_that_lies_about_groups_panics_nothing() {
+    let a = batch(&[stored(1, Some(0))]);
+    let mut bytes = batch(&[stored(1, Some(5))]).bytes().to_vec();
+    let digest = crate::batch::SUMMED_FROM..crate::batch::HEADER_LEN;
+    bytes[digest.clone()].copy_from_slice(&a.bytes()[digest]);
+    crate::testing::reseal(&mut bytes);
+    let liar = Arc::new(Batch::from_vec(bytes).unwrap());
+    let mut strict = merger(3, Rule::Quorum, Some(vec![1]), 2);
+    assert!(matches!(
+        strict.add(1, liar.clone()),
+        Err(Error::GroupOutOfRange { group: 5, .. })
+    ));
+    let mut m = merger(3, Rule::Quorum, Some(vec![1]), 2);
+    m.add(0, Arc::new(a)).unwrap();
+    m.add(1, liar).unwrap();
+    // Rank 2 silent: the two batches wait whole; then it reports another
+    // event, and the general path queues every report.
+    m.finish_step();
+    m.add(2, Arc::new(batch(&[removed(9)]))).unwrap();
+    m.finish_step();
+    m.finish_step();
+    m.finish_step();
+    let stats = m.stats();
+    assert_eq!(
+        stats.reports,
+        stats.consumed + stats.cleared + stats.expired + stats.pending
+    );
+}

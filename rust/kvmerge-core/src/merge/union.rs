@@ -16,7 +16,7 @@ pub(super) fn finish(m: &mut Merger) -> Published {
         return Published::new(Vec::new());
     };
     // Identical reports collapse onto the first rank's: walk that one alone.
-    let walk: Vec<&Arc<Batch>> = if batches.iter().all(|b| b.identity_column_eq(first)) {
+    let walk: Vec<&Arc<Batch>> = if batches.iter().all(|b| b.alike(first)) {
         vec![first]
     } else {
         batches

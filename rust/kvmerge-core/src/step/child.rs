@@ -502,6 +502,8 @@ fn merging(
     })?;
     Ok(Merging {
         plan,
-        merger: merger.with_guard(limits.guard),
+        merger: merger
+            .with_guard(limits.guard)
+            .with_deferred_carrier_check(true),
     })
 }

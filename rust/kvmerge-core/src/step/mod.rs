@@ -473,6 +473,7 @@ impl OutputMerger {
                             }
                         }
                         let published = merger.finish_step_published();
+                        rejected.extend(merger.take_refused());
                         refusals.extend(rejected.into_iter().map(|(rank, e)| Refusal {
                             kind: Kind::Merge,
                             rank: Some(rank),
