@@ -551,7 +551,7 @@ fn finish_header(out: &mut [u8], n: usize, payload_len: usize) -> Result<()> {
 }
 
 /// XXH3-64 of the identities of `records`, in order.
-pub fn identity_digest(records: &[u8]) -> u64 {
+fn identity_digest(records: &[u8]) -> u64 {
     let mut ids = Vec::with_capacity(records.len() / RECORD_LEN * 16);
     for record in records.chunks_exact(RECORD_LEN) {
         ids.extend_from_slice(&record[..16]);
