@@ -112,6 +112,7 @@ WORKER_KEY: Final = "kvmerge_worker"
 OUTPUTS: Final = "outputs"
 ENCODE_NS: Final = "encode_ns"
 OUTPUT_BYTES: Final = "bytes"
+WORKER_COUNTERS: Final = (OUTPUTS, ENCODE_NS, OUTPUT_BYTES)
 WORKER_METRIC_NAMES: Final = (
     f"{PREFIX}worker_outputs_total",
     f"{PREFIX}worker_encode_seconds_total",
@@ -201,10 +202,10 @@ class KVMergeWorkerStats(KVConnectorStats):
     (increments)."""
 
     def reset(self) -> None:
-        self.data = dict.fromkeys((OUTPUTS, ENCODE_NS, OUTPUT_BYTES), 0)
+        self.data = dict.fromkeys(WORKER_COUNTERS, 0)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name in (OUTPUTS, ENCODE_NS, OUTPUT_BYTES):
+        for name in WORKER_COUNTERS:
             self.data[name] = self.data.get(name, 0) + other.data.get(name, 0)
         return self
 
@@ -250,9 +251,7 @@ class WorkerMeter:
         totals = (self.outputs, self.ns, self.bytes)
         data = {
             name: now - last
-            for name, now, last in zip(
-                (OUTPUTS, ENCODE_NS, OUTPUT_BYTES), totals, self._last, strict=True
-            )
+            for name, now, last in zip(WORKER_COUNTERS, totals, self._last, strict=True)
         }
         self._last, self._reported_at = totals, now_ns
         return KVMergeWorkerStats(data=data)
@@ -406,7 +405,7 @@ class KVMergePromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
             for key, name, doc in zip(
-                (OUTPUTS, ENCODE_NS, OUTPUT_BYTES),
+                WORKER_COUNTERS,
                 WORKER_METRIC_NAMES,
                 worker_docs,
                 strict=True,
