@@ -33,6 +33,13 @@ its container, of empty batches): what B adds whatever the events, per
 message and per child. Each of the three is timed after an untimed replay
 of path A's step, as B's step follows A's: the same cold caches.
 
+The floor's parts (issue 37): what any path pays for the step's published
+events besides the envelope, each timed on its own (``_floor_parts``): a
+``msgspec.Raw`` per event over bytes it already has, a comparison of every other
+rank's 16-byte identities with the first's, and the publisher's encode of
+the step's ``KVEventBatch`` (vLLM's publisher thread pays it in either
+path, so B is compared with the floor with it added to both).
+
 Scheduler side, path A: ``unpickle`` (rebuilds each container's ``Counter``:
 one Python ``__hash__`` per event), ``aggregate`` (``add_events``: a
 ``Counter.update`` per worker), ``update_connector_output``, ``take_events``
@@ -111,6 +118,7 @@ def profile_case(
     sf: dict[str, list[float]] = defaultdict(list)
     se: dict[str, list[float]] = defaultdict(list)
     sx: dict[str, list[float]] = defaultdict(list)
+    sp: dict[str, list[float]] = defaultdict(list)
     wa: dict[str, list[float]] = defaultdict(list)
     wb: dict[str, list[float]] = defaultdict(list)
     faults: dict[str, list[int]] = {"A": [], "B": []}
@@ -215,7 +223,7 @@ def profile_case(
             if kv_out:
                 b.connector.update_connector_output(kv_out)
             t3 = _clock()
-            list(b.connector.take_events())
+            published = list(b.connector.take_events())
             t4 = _clock()
             # Replays, untimed above: validation, merge, output.
             assert kv_out is not None
@@ -265,6 +273,9 @@ def profile_case(
                 sb[f"(merge and output as {other} instead)"].append(out_s[other])
                 sb["take_events"].append(t4 - t3)
                 sb["total"].append(t4 - t0)
+            if keep:
+                for k, v in _floor_parts(published, world_size).items():
+                    sp[k].append(v)
             # --- scheduler side: the floor (vLLM alone, no KV events), the
             # envelope (one empty container per rank), B's fixed cost (the
             # same steps, no events) ------------------------------------------
@@ -299,11 +310,43 @@ def profile_case(
             "floor": _med(sf),
             "envelope": _med(se),
             "fixed": _med(sx),
+            "parts": _med(sp),
         },
         "worker_per_rank": {"A": wa_med, "B": wb_med},
         "unpickle_minor_page_faults": {
             k: statistics.median(v) if v else None for k, v in faults.items()
         },
+    }
+
+
+def _floor_parts(published: list[Any], world_size: int) -> dict[str, float]:
+    """Seconds of what any path pays for this step's published events
+    besides vLLM's envelope, each part on its own, at its cheapest: a
+    ``msgspec.Raw`` per event over bytes it already has (``map``: no Python
+    loop), a comparison of every other rank's 16-byte identities with the
+    first's, and the publisher's encode of the step's ``KVEventBatch``."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    encoder = msgspec.msgpack.Encoder()
+    payloads = [
+        bytes(memoryview(e)) if isinstance(e, msgspec.Raw) else encoder.encode(e)
+        for e in published
+    ]
+    first = bytes(16 * len(published))
+    others = [bytearray(first) for _ in range(world_size - 1)]
+    gc.collect()
+    t0 = _clock()
+    raws = list(map(msgspec.Raw, payloads))
+    t1 = _clock()
+    same = all(o == first for o in others)
+    t2 = _clock()
+    encoder.encode(KVEventBatch(ts=0.0, events=raws))
+    t3 = _clock()
+    assert same
+    return {
+        "Raw per event": t1 - t0,
+        "identities": t2 - t1,
+        "publisher's encode": t3 - t2,
     }
 
 
@@ -357,6 +400,16 @@ def format_profile(p: dict[str, Any]) -> str:
         lines.append(
             f"  B adds {b - floor:.3f} to the floor, {fixed - floor:.3f} of it "
             f"fixed (B with no events: total {fixed:.3f})"
+        )
+    parts = sched.get("parts")
+    if envelope is not None and parts:
+        floor_all = envelope + sum(parts.values())
+        encode = parts["publisher's encode"]
+        listed = "; ".join(f"{k} {v:.3f}" for k, v in parts.items())
+        lines.append(
+            f"  the floor's parts: envelope {envelope:.3f}; {listed}: floor "
+            f"{floor_all:.3f}; B with the publisher's encode {b + encode:.3f}: "
+            f"{(b + encode) / floor_all:.2f}x the floor"
         )
     pf = p.get("unpickle_minor_page_faults")
     if pf:

@@ -381,6 +381,10 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     assert "floor (vLLM alone, no KV events)" in text
     assert "envelope (the floor with one empty container per rank)" in text
     assert "fixed (B with no events" in text
+    parts = doc["profile"]["scheduler"]["parts"]
+    assert set(parts) == {"Raw per event", "identities", "publisher's encode"}
+    assert parts["Raw per event"] > 0 and parts["publisher's encode"] > 0
+    assert "the floor's parts: envelope" in text and "x the floor" in text
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG")
 

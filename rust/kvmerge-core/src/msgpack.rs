@@ -106,12 +106,14 @@ impl<'a> Reader<'a> {
         Reader { buf, pos: 0 }
     }
 
+    #[inline]
     pub fn pos(&self) -> usize {
         self.pos
     }
 
     /// Goes on from `pos` (at most the end): for a caller that knows where
     /// the values it does not read end.
+    #[inline]
     pub fn seek(&mut self, pos: usize) {
         self.pos = pos.min(self.buf.len());
     }
@@ -120,6 +122,7 @@ impl<'a> Reader<'a> {
         self.pos >= self.buf.len()
     }
 
+    #[inline]
     pub fn peek(&self) -> Result<Marker> {
         self.buf
             .get(self.pos)
@@ -127,6 +130,7 @@ impl<'a> Reader<'a> {
             .ok_or(ReadError::Eof { at: self.pos })
     }
 
+    #[inline]
     fn byte(&mut self) -> Result<u8> {
         let b = *self
             .buf
@@ -136,6 +140,7 @@ impl<'a> Reader<'a> {
         Ok(b)
     }
 
+    #[inline]
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         let end = self
             .pos
@@ -147,6 +152,7 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
+    #[inline]
     fn be(&mut self, n: usize) -> Result<u64> {
         Ok(self
             .take(n)?
@@ -162,6 +168,7 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     pub fn read_array_len(&mut self) -> Result<usize> {
         let at = self.pos;
         match self.byte()? {
@@ -172,6 +179,7 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     pub fn read_map_len(&mut self) -> Result<usize> {
         let at = self.pos;
         match self.byte()? {
@@ -189,6 +197,7 @@ impl<'a> Reader<'a> {
 
     /// A string's bytes, unchecked: for comparing with known ASCII names,
     /// where a match proves them valid and anything else is refused anyway.
+    #[inline]
     pub fn read_str_bytes(&mut self) -> Result<&'a [u8]> {
         let at = self.pos;
         let len = match self.byte()? {
@@ -201,6 +210,7 @@ impl<'a> Reader<'a> {
         self.take(len)
     }
 
+    #[inline]
     pub fn read_bin(&mut self) -> Result<&'a [u8]> {
         let at = self.pos;
         let len = match self.byte()? {
@@ -214,6 +224,7 @@ impl<'a> Reader<'a> {
 
     /// Reads an integer; the value is returned as i128 so both i64 and u64
     /// ranges fit.
+    #[inline]
     pub fn read_int(&mut self) -> Result<i128> {
         let at = self.pos;
         Ok(match self.byte()? {
@@ -266,6 +277,7 @@ impl<'a> Reader<'a> {
     /// event's fields mostly hold: a scalar, a string, bytes or an array of
     /// ints (`token_ids`); anything else goes to `skip_value`. For bytes
     /// already checked (a batch's events): a string's UTF-8 is not.
+    #[inline]
     pub fn skip_field(&mut self) -> Result<()> {
         let at = self.pos;
         match self.peek()? {

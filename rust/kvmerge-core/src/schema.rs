@@ -309,44 +309,63 @@ pub struct Blocks<'a> {
 }
 
 /// `block_hashes` (each given to `hash`, in order, as it is read: one
-/// pass), `parent_block_hash` and `medium` of one event (its bytes alone);
-/// None when they do not read, which an event `read_event` accepted (every
-/// event of a batch) always does; `hash` may then have seen some of them.
-/// `tokens_end` is its `EventInfo`'s: the token ids are jumped over, not
-/// read (0: read). Only reads, so bytes of any shape (and any `tokens_end`)
-/// give None or other blocks, never a panic.
+/// pass), `parent_block_hash` (a `BlockStored`'s: `kind`) and `medium` of
+/// one event (its bytes alone); None when they do not read, which an event
+/// `read_event` accepted (every event of a batch) always does; `hash` may
+/// then have seen some of them. `tokens_end` is its `EventInfo`'s: the
+/// token ids are jumped over, not read (0: read). The fields after the last
+/// of these are not read: vLLM 0.33's `BlockStored` has 15, the guard needs
+/// the first 6, and `read_event` has checked the rest. Only reads, so bytes
+/// of any shape (and any `kind` or `tokens_end`) give None or other blocks,
+/// never a panic.
 pub fn read_blocks<'a>(
     event: &'a [u8],
+    kind: EventKind,
     tokens_end: u32,
     mut hash: impl FnMut(BlockHash<'a>),
 ) -> Option<Blocks<'a>> {
     let mut r = Reader::new(event);
     let n = r.read_map_len().ok()?;
     let mut out = Blocks::default();
-    let mut found = false;
+    let (mut hashes, mut medium) = (false, false);
+    let mut parent = kind != EventKind::BlockStored;
     for _ in 0..n {
         match r.read_str_bytes().ok()? {
-            b"block_hashes" if !found => {
+            b"block_hashes" if !hashes => {
                 for _ in 0..r.read_array_len().ok()? {
                     hash(read_hash(&mut r).ok()?);
                 }
-                found = true;
+                hashes = true;
             }
-            b"parent_block_hash" if r.peek().ok()? != Marker::Nil => {
-                out.parent = Some(read_hash(&mut r).ok()?)
+            b"parent_block_hash" if !parent => {
+                if r.peek().ok()? == Marker::Nil {
+                    r.skip_field().ok()?;
+                } else {
+                    out.parent = Some(read_hash(&mut r).ok()?);
+                }
+                parent = true;
             }
-            b"medium" if r.peek().ok()? != Marker::Nil => {
-                out.medium = Some(r.read_str_bytes().ok()?)
+            b"medium" if !medium => {
+                if r.peek().ok()? == Marker::Nil {
+                    r.skip_field().ok()?;
+                } else {
+                    out.medium = Some(r.read_str_bytes().ok()?);
+                }
+                medium = true;
             }
             b"token_ids" if (r.pos() + 1..=event.len()).contains(&(tokens_end as usize)) => {
                 r.seek(tokens_end as usize)
             }
             _ => r.skip_field().ok()?,
         }
+        if hashes && parent && medium {
+            return Some(out);
+        }
     }
-    found.then_some(out)
+    hashes.then_some(out)
 }
 
+#[inline]
 fn read_hash<'a>(r: &mut Reader<'a>) -> Result<BlockHash<'a>, ReadError> {
     match r.peek()? {
         Marker::Bin => r.read_bin().map(BlockHash::Bytes),

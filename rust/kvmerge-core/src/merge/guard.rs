@@ -6,45 +6,15 @@
 //! Only the events the rule publishes are read, and only their block
 //! hashes, parent and medium; a merger without a guard has none of this.
 
-use std::collections::HashSet;
-use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::ops::Range;
 
+use self::table::{Key, KeyTable};
 use super::published::Published;
 use super::stats::Stats;
 use crate::batch::Batch;
-use crate::identity::PassThrough;
-use crate::schema::{read_blocks, BlockHash, Blocks, EventKind};
+use crate::schema::{read_blocks, EventKind};
 
-/// A block hash as the guard keeps it, in 16 bytes: an int (64 bits and a
-/// sign at most, as msgpack holds it) offset into `[0, 2^65)`, a bytes
-/// hash as its XXH3-128 with the top bit set. So an int and a bytes are
-/// never the same key; two bytes hashes are only on a 127-bit collision
-/// (docs/merge-rules.md, "Identity", weighs such odds).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Key(u128);
-
-const BYTES_TAG: u128 = 1 << 127;
-
-impl Key {
-    fn of(h: BlockHash<'_>) -> Key {
-        match h {
-            BlockHash::Int(v) => Key(v.wrapping_add(1 << 64) as u128),
-            BlockHash::Bytes(b) => Key(xxhash_rust::xxh3::xxh3_128(b) | BYTES_TAG),
-        }
-    }
-}
-
-impl Hash for Key {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        // Ints may be small and dense: a folded multiply spreads every bit
-        // over the table's index and control bits.
-        let x = (self.0 as u64) ^ ((self.0 >> 64) as u64).rotate_left(32);
-        let p = (x as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        state.write_u64((p as u64) ^ ((p >> 64) as u64));
-    }
-}
-
-type KeySet = HashSet<Key, BuildHasherDefault<PassThrough>>;
+mod table;
 
 /// Why an event was withheld.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,43 +24,84 @@ pub(super) enum Why {
     Unknown,
 }
 
+/// What applying one published event asks of the guard, read before any
+/// is applied.
+#[derive(Debug, Clone)]
+enum Op {
+    Clear,
+    /// Bytes that do not read: published as the rule published them.
+    Pass,
+    Store {
+        medium: usize,
+        parent: Option<Key>,
+        keys: Range<usize>,
+    },
+    Remove {
+        medium: usize,
+        keys: Range<usize>,
+    },
+}
+
+/// How many events ahead the guard asks for the slots it will probe: far
+/// enough for memory to answer while it checks the events between, near
+/// enough for the lines to still be in the cache.
+const AHEAD: usize = 8;
+
 /// The blocks each medium holds, as the published stream says.
 #[derive(Default)]
 pub(super) struct Guard {
     /// Per medium (its name's bytes; None is its own medium), the held
     /// blocks. A child reports to a handful of media: a list beats a map.
-    media: Vec<(Option<Box<[u8]>>, KeySet)>,
-    /// One event's keys (kept for its capacity).
+    media: Vec<(Option<Box<[u8]>>, KeyTable)>,
+    /// The step's events as operations, and their keys (kept for their
+    /// capacity).
+    ops: Vec<Op>,
     keys: Vec<Key>,
 }
 
 impl Guard {
     /// Drops what the rule published but the guard withholds, counting it.
+    /// Two passes: every event read first, then applied in order, each
+    /// asking for the slots of the one `AHEAD` of it.
     pub(super) fn filter(&mut self, out: &mut Published, stats: &mut Stats) {
-        out.retain(|batch, i| match self.apply(batch, i) {
-            Ok(()) => true,
-            Err(why) => {
-                match why {
-                    Why::Orphan => stats.withheld_orphan += 1,
-                    Why::Duplicate => stats.withheld_duplicate += 1,
-                    Why::Unknown => stats.withheld_unknown += 1,
+        self.ops.clear();
+        self.keys.clear();
+        for (batch, i) in out.iter() {
+            let op = self.read(batch, i);
+            self.ops.push(op);
+        }
+        let ops = std::mem::take(&mut self.ops);
+        let mut n = 0;
+        out.retain(|_, _| {
+            if let Some(ahead) = ops.get(n + AHEAD) {
+                self.prefetch(ahead);
+            }
+            let verdict = self.apply(&ops[n]);
+            n += 1;
+            match verdict {
+                Ok(()) => true,
+                Err(why) => {
+                    match why {
+                        Why::Orphan => stats.withheld_orphan += 1,
+                        Why::Duplicate => stats.withheld_duplicate += 1,
+                        Why::Unknown => stats.withheld_unknown += 1,
+                    }
+                    false
                 }
-                false
             }
         });
+        self.ops = ops;
     }
 
     pub(super) fn clear(&mut self) {
         self.media.iter_mut().for_each(|(_, set)| set.clear());
     }
 
-    /// Applies event `i` of `batch` if a router can: else says why not, and
-    /// nothing changes.
-    fn apply(&mut self, batch: &Batch, i: usize) -> Result<(), Why> {
+    /// Event `i` of `batch` as an operation, its keys appended to `keys`.
+    fn read(&mut self, batch: &Batch, i: usize) -> Op {
         let kind = batch.kind(i);
         if kind == EventKind::AllBlocksCleared {
-            self.clear();
-            return Ok(());
+            return Op::Clear;
         }
         // A published event is carried, and its bytes were checked against
         // the schema where its batch was made (`read_event`, or the
@@ -99,46 +110,82 @@ impl Guard {
         // crafted to pass the checksum could hold bytes that do not; such an
         // event goes out as the rule published it, and the guard's state is
         // unchanged.
-        let tokens_end = batch.tokens_end(i);
-        let mut keys = std::mem::take(&mut self.keys);
-        keys.clear();
+        let first = self.keys.len();
+        let keys = &mut self.keys;
         let read = batch
             .event_bytes(i)
-            .and_then(|e| read_blocks(e, tokens_end, |h| keys.push(Key::of(h))));
+            .and_then(|e| read_blocks(e, kind, batch.tokens_end(i), |h| keys.push(Key::of(h))));
         let Some(blocks) = read else {
-            self.keys = keys;
-            return Ok(());
+            self.keys.truncate(first);
+            return Op::Pass;
         };
-        let parent = blocks.parent.map(Key::of);
-        let held = self.medium(&blocks);
-        let done = match kind {
-            EventKind::BlockStored => store(held, parent, &keys),
-            _ => remove(held, &keys),
-        };
-        self.keys = keys;
-        done
+        let medium = self.medium(blocks.medium);
+        let keys = first..self.keys.len();
+        match kind {
+            EventKind::BlockStored => Op::Store {
+                medium,
+                parent: blocks.parent.map(Key::of),
+                keys,
+            },
+            _ => Op::Remove { medium, keys },
+        }
     }
 
-    fn medium(&mut self, blocks: &Blocks<'_>) -> &mut KeySet {
-        let at = match self
-            .media
-            .iter()
-            .position(|(m, _)| m.as_deref() == blocks.medium)
-        {
+    fn medium(&mut self, name: Option<&[u8]>) -> usize {
+        match self.media.iter().position(|(m, _)| m.as_deref() == name) {
             Some(at) => at,
             None => {
-                let name = blocks.medium.map(Box::<[u8]>::from);
-                self.media.push((name, KeySet::default()));
+                self.media.push((name.map(Box::from), KeyTable::default()));
                 self.media.len() - 1
             }
+        }
+    }
+
+    fn prefetch(&self, op: &Op) {
+        let (medium, parent, keys) = match op {
+            Op::Store {
+                medium,
+                parent,
+                keys,
+            } => (*medium, *parent, keys),
+            Op::Remove { medium, keys } => (*medium, None, keys),
+            Op::Clear | Op::Pass => return,
         };
-        &mut self.media[at].1
+        let held = &self.media[medium].1;
+        parent.iter().for_each(|&k| held.prefetch(k));
+        self.keys[keys.clone()]
+            .iter()
+            .for_each(|&k| held.prefetch(k));
+    }
+
+    /// Applies one operation if a router can: else says why not, and
+    /// nothing changes.
+    fn apply(&mut self, op: &Op) -> Result<(), Why> {
+        match op {
+            Op::Clear => {
+                self.clear();
+                Ok(())
+            }
+            Op::Pass => Ok(()),
+            Op::Store {
+                medium,
+                parent,
+                keys,
+            } => store(
+                &mut self.media[*medium].1,
+                *parent,
+                &self.keys[keys.clone()],
+            ),
+            Op::Remove { medium, keys } => {
+                remove(&mut self.media[*medium].1, &self.keys[keys.clone()])
+            }
+        }
     }
 }
 
 /// A store: its parent must be held, its blocks not (nor twice in it).
-fn store(held: &mut KeySet, parent: Option<Key>, keys: &[Key]) -> Result<(), Why> {
-    if parent.is_some_and(|p| !held.contains(&p)) {
+fn store(held: &mut KeyTable, parent: Option<Key>, keys: &[Key]) -> Result<(), Why> {
+    if parent.is_some_and(|p| !held.contains(p)) {
         return Err(Why::Orphan);
     }
     // Inserting tells both cases apart in one probe per block; a refused
@@ -146,7 +193,7 @@ fn store(held: &mut KeySet, parent: Option<Key>, keys: &[Key]) -> Result<(), Why
     for (n, k) in keys.iter().enumerate() {
         if !held.insert(*k) {
             keys[..n].iter().for_each(|k| {
-                held.remove(k);
+                held.remove(*k);
             });
             return Err(Why::Duplicate);
         }
@@ -155,10 +202,12 @@ fn store(held: &mut KeySet, parent: Option<Key>, keys: &[Key]) -> Result<(), Why
 }
 
 /// A removal: each of its blocks must be held, and named once.
-fn remove(held: &mut KeySet, keys: &[Key]) -> Result<(), Why> {
+fn remove(held: &mut KeyTable, keys: &[Key]) -> Result<(), Why> {
     for (n, k) in keys.iter().enumerate() {
-        if !held.remove(k) {
-            held.extend(keys[..n].iter().copied());
+        if !held.remove(*k) {
+            keys[..n].iter().for_each(|k| {
+                held.insert(*k);
+            });
             return Err(Why::Unknown);
         }
     }

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use crate::merge::{Merger, MergerConfig, Stats};
 use crate::rule::Rule;
-use crate::schema::BlockHash;
+use crate::schema::{read_blocks, BlockHash, EventKind};
 use crate::testing::{batch, clear, removed_blocks, stored_blocks, stored_blocks_in, Ev};
 use crate::{Batch, Identity};
 
@@ -334,26 +334,34 @@ proptest! {
 
 proptest! {
     /// Bytes of any shape read as blocks or as None, never a panic, where
-    /// ever `tokens_end` points; an event reads the same jumping over its
-    /// token ids as reading them; cut short, its blocks do not read.
+    /// ever `tokens_end` points and whatever the kind; an event reads the
+    /// same jumping over its token ids as reading them; cut short before
+    /// its medium, its blocks do not read; the fields after it are not read.
     #[test]
     fn blocks_of_any_bytes_never_panic(
         bytes in prop::collection::vec(any::<u8>(), 0..64),
         anywhere in any::<u32>(),
-        cut in 0usize..40,
+        cut in any::<prop::sample::Index>(),
     ) {
-        let _ = crate::schema::read_blocks(&bytes, anywhere, drop);
-        let _ = crate::schema::read_blocks(&bytes, anywhere % 64, drop);
+        for kind in [EventKind::BlockStored, EventKind::BlockRemoved] {
+            let _ = read_blocks(&bytes, kind, anywhere, drop);
+            let _ = read_blocks(&bytes, kind, anywhere % 64, drop);
+        }
         let e = stored_blocks(&[A, C], Some(B), Some("CPU"));
         let info = crate::schema::read_event(&mut crate::msgpack::Reader::new(&e)).unwrap();
         prop_assert!(info.tokens_end > 0);
+        let medium_end = e.windows(3).position(|w| w == b"CPU").unwrap() + 3;
+        prop_assert!(medium_end < e.len(), "fields follow the medium");
         for tokens_end in [0, info.tokens_end] {
             let mut hashes = vec![];
-            let blocks = crate::schema::read_blocks(&e, tokens_end, |h| hashes.push(h)).unwrap();
+            let blocks =
+                read_blocks(&e, EventKind::BlockStored, tokens_end, |h| hashes.push(h)).unwrap();
             prop_assert_eq!(hashes, vec![A, C]);
             prop_assert_eq!((blocks.parent, blocks.medium), (Some(B), Some(&b"CPU"[..])));
-            let cut = cut.min(e.len() - 1);
-            prop_assert!(crate::schema::read_blocks(&e[..cut], tokens_end, drop).is_none());
+            let short = &e[..cut.index(medium_end)];
+            prop_assert!(read_blocks(short, EventKind::BlockStored, tokens_end, drop).is_none());
+            let head = read_blocks(&e[..medium_end], EventKind::BlockStored, tokens_end, drop);
+            prop_assert_eq!(head.map(|b| (b.parent, b.medium)), Some((blocks.parent, blocks.medium)));
         }
     }
 }
