@@ -26,7 +26,7 @@ pub(super) enum Why {
 
 /// What applying one published event asks of the guard, read before any
 /// is applied.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 enum Op {
     Clear,
     /// Bytes that do not read: published as the rule published them.
