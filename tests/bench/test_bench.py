@@ -523,3 +523,24 @@ def test_the_profile_names_its_workload(capsys):
     assert p.parse_args(["--profile", "none"]).profile is None
     assert main(["--tp", "2", "--events", "8", "--profile", "nope/2x8"]) == 2
     assert "unknown workload(s) nope" in capsys.readouterr().err
+
+
+def test_what_a_report_costs_end_to_end(capsys, monkeypatch):
+    """``benches.compare.stats``, tiny: vLLM's MultiConnector reports nothing of
+    the children's, kvmerge with no request running reports every step, and
+    with one running not one of 40 steps (its interval made longer than any
+    run), each case timed in both processes."""
+    from benches.compare.stats import CASES, main, run
+    from kvmerge.vllm.stats import Interval
+
+    monkeypatch.setattr(Interval, "interval_ns", 10**15)
+
+    cases = run(tp=2, events=2, steps=40, warmup=3)
+    assert [c.name for c in cases] == list(CASES)
+    assert [c.reports for c in cases] == [0, 40, 0]
+    for case in cases:
+        assert len(case.engine_ns) == len(case.front_ns) == 40
+        assert min(case.engine_ns) > 0 and min(case.front_ns) > 0
+    main(["--steps", "5", "--warmup", "1"])
+    out = capsys.readouterr().out
+    assert "kvmerge, every step" in out and "over multi" in out

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from benches.compare import build_parser as bench_parser
+from benches.compare.stats import build_parser as stats_bench_parser
 from benches.serve import build_parser as serve_bench_parser
 from kvmerge.cli import build_parser as cli_parser
 
@@ -35,6 +36,7 @@ PREFIXES: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     (".ci/demo",): ("kvmerge", ("demo",)),
     ("python", "-m", "benches.compare"): ("benches.compare", ()),
     ("python", "-m", "benches.serve"): ("benches.serve", ()),
+    ("python", "-m", "benches.compare.stats"): ("benches.compare.stats", ()),
 }
 #: Where a command line ends, in a shell.
 SHELL_ENDS = {"|", "||", "&&", ";", ">", ">>", "2>&1", "&"}
@@ -185,6 +187,8 @@ def parser_of(cmd: Command) -> tuple[argparse.ArgumentParser, list[str]]:
         return bench_parser(), list(cmd.args)
     if cmd.program == "benches.serve":
         return serve_bench_parser(), list(cmd.args)
+    if cmd.program == "benches.compare.stats":
+        return stats_bench_parser(), list(cmd.args)
     top = cli_parser()
     sub = next(
         a for a in top._actions if isinstance(a, argparse._SubParsersAction)

@@ -46,9 +46,10 @@ from kvmerge.sim.model import model_dir
 from kvmerge.sim.transport import shm_roundtrip
 from kvmerge.vllm.stats import (
     METRIC_NAMES,
+    REPORT_NS,
     STEP_METRIC_NAMES,
     WORKER_METRIC_NAMES,
-    WORKER_REPORT_NS,
+    Interval,
     WorkerMeter,
 )
 
@@ -455,7 +456,7 @@ def test_the_workers_encode_time_and_bytes_reach_prometheus_and_the_log(
     """Every worker's outputs, kvmerge's time making them and their bytes,
     summed over the ranks by vLLM's aggregator, as each worker reported them
     (a worker reports its outputs at the next step's stats call)."""
-    monkeypatch.setattr(WorkerMeter, "interval_ns", 0)
+    monkeypatch.setattr(Interval, "interval_ns", 0)
     c = Cluster([child("LMCacheChild", kv_events_merge="all")], bus, tp=2)
     cfg = copy.copy(c.cfg)
     cfg.model_config = model_config
@@ -507,9 +508,9 @@ def test_a_worker_reports_at_most_once_an_interval():
         "bytes": 100,
     }
     meter.add(2_000, 300)
-    assert meter.collect(WORKER_REPORT_NS - 1) is None
+    assert meter.collect(REPORT_NS - 1) is None
     meter.add(3_000, 500)
-    later = meter.collect(WORKER_REPORT_NS)
+    later = meter.collect(REPORT_NS)
     assert later is not None
     assert later.data == {"outputs": 2, "encode_ns": 5_000, "bytes": 800}
     assert later.reduce() == {
@@ -517,3 +518,86 @@ def test_a_worker_reports_at_most_once_an_interval():
         "us_per_output": 2.5,
         "bytes_per_output": 400,
     }
+
+
+def _scheduler_entries(stats: SchedulerStats | None) -> dict:
+    """kvmerge's scheduler-side entries in a step's stats (not the workers')."""
+    from kvmerge.vllm.stats import KEY, STEP_KEY
+
+    data = (stats.kv_connector_stats if stats is not None else None) or {}
+    return {k: v for k, v in data.items() if k in (KEY, STEP_KEY)}
+
+
+@pytest.mark.parametrize("flush_when_idle", [True, False], ids=["idle", "broken"])
+def test_the_scheduler_reports_once_an_interval_and_whole_when_idle(
+    tmp_path, monkeypatch, flush_when_idle
+):
+    """vLLM's own scheduler loop (``kvmerge.sim.engine``, TP 2, the simulated
+    LMCache child and its faults) in two waves of requests, with an interval
+    no wave lasts: kvmerge's entries reach ``SchedulerStats`` at the first
+    step and at the steps that leave no request unfinished (the last of
+    each wave, and the one after it that tells the workers), none between,
+    and what they sum to is every step and every count the merger has.
+    ``broken``: the same with the idle flush taken out, which must fail that
+    sum (the check fails when it should)."""
+    from vllm.config import KVEventsConfig
+
+    from kvmerge.sim.children import entry
+    from kvmerge.sim.engine import Engine
+    from kvmerge.sim.model import engine_config
+    from kvmerge.sim.requests import Arrivals
+    from kvmerge.vllm import register
+    from kvmerge.vllm.stats import KEY, STEP_KEY, SchedulerReports
+
+    register()
+    monkeypatch.setattr(Interval, "interval_ns", 10**15)
+    if not flush_when_idle:
+        monkeypatch.setattr(SchedulerReports, "finished", lambda self, request_id: None)
+    cfg = engine_config(
+        model_dir(tmp_path, 2),
+        [entry("lmcache", 0, capacity=24, seed=3)],
+        world_size=2,
+        num_blocks=64,
+        kv_events=KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"ipc://{tmp_path}/kv",
+            replay_endpoint=f"ipc://{tmp_path}/kv-replay",
+        ),
+    )
+    engine = Engine(cfg, num_blocks=64, log_stats=True)
+    try:
+        arrivals = Arrivals(seed=5)
+        reported: list[bool] = []
+        idle: list[int] = []
+        sums = {"steps": 0, "published": 0, "reports": 0}
+        for _wave in range(2):
+            engine.add(arrivals.prompt() for _ in range(4))
+            while engine.scheduler.has_requests():
+                ours = _scheduler_entries(engine.step().scheduler_stats)
+                if not engine.scheduler.get_num_unfinished_requests():
+                    idle.append(len(reported))
+                reported.append(bool(ours))
+                if ours:
+                    sums["steps"] += ours[STEP_KEY]["steps"]
+                    for counts in ours.get(KEY, {}).values():
+                        sums["published"] += counts["published"]
+                        sums["reports"] += counts["reports"]
+            assert idle[-1] == len(reported) - 1
+        (merged,) = engine.connector.merge_stats()
+        steps = len(reported)
+    finally:
+        engine.close()
+    assert steps > 10 and merged["published"] > 20 and merged["reports"] > 40
+    assert 2 <= len(idle) <= 4, idle
+    whole = {
+        "steps": steps,
+        "published": merged["published"],
+        "reports": merged["reports"],
+    }
+    if not flush_when_idle:
+        assert [i for i, r in enumerate(reported) if r] == [0]
+        assert sums != whole
+        return
+    assert [i for i, r in enumerate(reported) if r] == [0, *idle]
+    assert sums == whole

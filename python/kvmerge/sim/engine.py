@@ -47,6 +47,8 @@ class Step:
     #: (in this process; vLLM's executor aggregates in ``execute_model``) and
     #: ``update_from_output``.
     merge_ns: int
+    #: What the engine core sends the front end's stat loggers (``log_stats``).
+    scheduler_stats: Any = None
 
 
 def _hasher() -> Any:
@@ -70,6 +72,7 @@ class Engine:
         num_blocks: int,
         processes: bool = False,
         start_method: str = "fork",
+        log_stats: bool = False,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import (
             KVOutputAggregator,
@@ -95,7 +98,7 @@ class Engine:
                 kv_cache_config=kv_cache_config(num_blocks),
                 structured_output_manager=StructuredOutputManager(config),
                 block_size=BLOCK_SIZE,
-                log_stats=False,
+                log_stats=log_stats,
             )
             self.connector = self.scheduler.connector
             if self.executor is not None:
@@ -170,11 +173,13 @@ class Engine:
             for o in eco.outputs
             if o.finish_reason is not None
         ]
+        stats = [eco.scheduler_stats for eco in results.values() if eco.scheduler_stats]
         return Step(
             output=so,
             finished=finished,
             preempted=len(so.preempted_req_ids or ()),
             merge_ns=merge_ns,
+            scheduler_stats=stats[0] if stats else None,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -65,6 +65,7 @@ from .native import combine_native
 from .refusals import Refusals
 from .settings import settings_of
 from .stats import (
+    SchedulerReports,
     StatsTracker,
     StepTimer,
     WithKVMergePromMetrics,
@@ -85,6 +86,7 @@ if TYPE_CHECKING:
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = get_logger(__name__)
 
@@ -199,6 +201,8 @@ class KVMergeMultiConnector(MultiConnector):
         self._children: list[_Child] = []
         #: Scheduler side: its engine steps and its own time in them.
         self._timer = StepTimer()
+        #: Scheduler side: the requests running, when its stats go out.
+        self._reports = SchedulerReports()
         if role == KVConnectorRole.SCHEDULER:
             self._refusals = Refusals()
             #: Worker outputs that never arrived (a gap in a rank's seq).
@@ -445,6 +449,25 @@ class KVMergeMultiConnector(MultiConnector):
             connector_output.kv_connector_worker_meta = meta
         self._timer.ns += perf_counter_ns() - started
 
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        # vLLM's scheduler asks this first of a request it schedules.
+        self._reports.started(request.request_id)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(
+        self, request: Request, blocks: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._reports.finished(request.request_id)
+        return super().request_finished(request, blocks)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._reports.finished(request.request_id)
+        return super().request_finished_all_groups(request, block_ids)
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         started = perf_counter_ns()
         events: list[Any] = []
@@ -453,10 +476,7 @@ class KVMergeMultiConnector(MultiConnector):
                 events.extend(child.out)
                 child.out = []
             events.extend(child.connector.take_events())
-        # vLLM's scheduler calls this once per step (update_from_output).
-        timer = self._timer
-        timer.steps += 1
-        timer.ns += perf_counter_ns() - started
+        self._timer.ns += perf_counter_ns() - started
         return events
 
     def reset_cache(self) -> bool:
@@ -484,10 +504,16 @@ class KVMergeMultiConnector(MultiConnector):
             return with_merge_stats(
                 children_stats, None, worker=self._meter.collect(started)
             )
+        timer = self._timer
+        # vLLM's scheduler calls this once per step (update_from_output),
+        # before take_events: a report counts its own step.
+        timer.steps += 1
+        if not self._reports.now(started):
+            timer.ns += perf_counter_ns() - started
+            return children_stats
         tracker = self.__dict__.get("_stats_tracker")
         if tracker is None:
             tracker = self._stats_tracker = StatsTracker()
-        timer = self._timer
         counters = [
             (child.spec.label, stats, child.refused)
             for child, stats in zip(self._children, self._merger.stats(), strict=True)

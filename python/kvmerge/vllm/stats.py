@@ -37,9 +37,10 @@ Prometheus (labels ``model_name``, ``engine`` as vLLM's own, and
 
 The connector's own time in the engine-core process goes beside them, under
 ``STEP_KEY`` (``"kvmerge_step"``), in a ``KVMergeStepStats``: the engine steps
-since the previous call (``take_events``, which vLLM's scheduler calls once
-per ``update_from_output``) and the nanoseconds the connector spent in its
-scheduler-side calls of those steps (``update_connector_output``,
+since the previous report (``get_kv_connector_stats`` calls: vLLM's scheduler
+makes one per ``update_from_output``, the report's own step among them) and
+the nanoseconds the connector spent in its scheduler-side calls of those
+steps (``update_connector_output``,
 ``get_kv_connector_stats``, ``take_events``, its children's calls included:
 what it adds to the engine's busy loop). Prometheus, labels ``model_name`` and
 ``engine``: ``vllm:kvmerge_steps_total`` and ``vllm:kvmerge_step_seconds_total``
@@ -52,14 +53,19 @@ The workers' side goes beside them, under ``WORKER_KEY``
 ranks: the worker outputs kvmerge made, the nanoseconds it spent making them
 (encoding each merged child's events and writing the output's buffer; the
 children's own calls not included) and the bytes of their buffers (what
-travels to the scheduler, beside any native container). A worker reports at
-most once a second (``WorkerMeter``): what it adds to each step's message is
-nothing most steps. Prometheus, labels ``model_name`` and ``engine``:
-``vllm:kvmerge_worker_outputs_total``,
+travels to the scheduler, beside any native container). Prometheus, labels
+``model_name`` and ``engine``: ``vllm:kvmerge_worker_outputs_total``,
 ``vllm:kvmerge_worker_encode_seconds_total`` and
 ``vllm:kvmerge_worker_output_bytes_total`` (counters: the encode time and
 bytes per output are their rates' ratios); the log line:
 ``kvmerge_worker={'outputs': 240, 'us_per_output': 35.0, 'bytes_per_output': 3622}``.
+
+Each side reports at most once a second (``Interval``), counting every step
+in between, so that most steps' messages carry nothing of kvmerge's and
+vLLM's loggers see it once a second, not once a step. The scheduler's side
+reports besides at every step that leaves no request running
+(``SchedulerReports``), so that the counters of an engine gone idle are
+whole; a worker's last second waits for the engine's next step.
 """
 
 from __future__ import annotations
@@ -118,8 +124,8 @@ WORKER_METRIC_NAMES: Final = (
     f"{PREFIX}worker_encode_seconds_total",
     f"{PREFIX}worker_output_bytes_total",
 )
-#: How often, at most, a worker reports (nanoseconds).
-WORKER_REPORT_NS: Final = 1_000_000_000
+#: How often, at most, each side reports while requests run (nanoseconds).
+REPORT_NS: Final = 1_000_000_000
 
 _MERGER_COUNTERS: Final = ("reports", "published", "expired", "cleared", "withheld")
 _DOC: Final = {
@@ -222,20 +228,66 @@ class KVMergeWorkerStats(KVConnectorStats):
         return not self.data.get(OUTPUTS)
 
 
+class Interval:
+    """At most one report every ``interval_ns``: each report goes through
+    vLLM's stat loggers in the front end, in the Python of every step that
+    carries one (about 70 us for kvmerge's, docs/benchmarks.md "What a
+    report costs"), so that most steps carry none."""
+
+    __slots__ = ("_at",)
+
+    #: The least time between two reports (nanoseconds).
+    interval_ns: ClassVar[int] = REPORT_NS
+
+    def __init__(self) -> None:
+        self._at: int | None = None
+
+    def due(self, now_ns: int) -> bool:
+        return self._at is None or now_ns - self._at >= self.interval_ns
+
+    def reported(self, now_ns: int) -> None:
+        self._at = now_ns
+
+
+class SchedulerReports:
+    """Scheduler side: when kvmerge's stats go out. At most once an
+    ``Interval`` while a request runs, and at every step that leaves none
+    running: vLLM's scheduler sends stats only with a step's outputs, so an
+    engine gone idle would otherwise keep its last counts until its next
+    request. A request runs from vLLM's first ``get_num_new_matched_tokens``
+    for it to its ``request_finished``."""
+
+    __slots__ = ("_interval", "_running")
+
+    def __init__(self) -> None:
+        self._interval = Interval()
+        self._running: set[str] = set()
+
+    def started(self, request_id: str) -> None:
+        self._running.add(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self._running.discard(request_id)
+
+    def now(self, now_ns: int) -> bool:
+        """Whether this step reports (if so, the interval starts again)."""
+        if self._running and not self._interval.due(now_ns):
+            return False
+        self._interval.reported(now_ns)
+        return True
+
+
 class WorkerMeter:
     """Worker side: the outputs kvmerge made, its nanoseconds making them
     and their bytes, totals; ``collect`` the increments since the previous
-    report, at most once every ``interval_ns`` (None in between)."""
+    report, at most once an ``Interval`` (None in between)."""
 
-    __slots__ = ("_last", "_reported_at", "bytes", "ns", "outputs")
-
-    #: The least time between two reports (nanoseconds).
-    interval_ns: ClassVar[int] = WORKER_REPORT_NS
+    __slots__ = ("_interval", "_last", "bytes", "ns", "outputs")
 
     def __init__(self) -> None:
         self.outputs = self.ns = self.bytes = 0
         self._last = (0, 0, 0)
-        self._reported_at: int | None = None
+        self._interval = Interval()
 
     def add(self, ns: int, nbytes: int) -> None:
         self.outputs += 1
@@ -243,17 +295,15 @@ class WorkerMeter:
         self.bytes += nbytes
 
     def collect(self, now_ns: int) -> KVMergeWorkerStats | None:
-        due = (
-            self._reported_at is None or now_ns - self._reported_at >= self.interval_ns
-        )
-        if not due or self.outputs == self._last[0]:
+        if self.outputs == self._last[0] or not self._interval.due(now_ns):
             return None
         totals = (self.outputs, self.ns, self.bytes)
         data = {
             name: now - last
             for name, now, last in zip(WORKER_COUNTERS, totals, self._last, strict=True)
         }
-        self._last, self._reported_at = totals, now_ns
+        self._last = totals
+        self._interval.reported(now_ns)
         return KVMergeWorkerStats(data=data)
 
 
