@@ -181,7 +181,7 @@ def test_runs_are_pooled_per_configuration():
     assert k["events_per_step"] == pytest.approx(2.0)
     assert math.isnan(m["kvmerge_us_per_step"]) and math.isnan(m["kvmerge_share"])
     assert ratio(s) == pytest.approx(1.0)
-    assert "100.0%" in verdict(s) and "met" in verdict(s)
+    assert "100.0%" in verdict(s, {"mean": 1.0, "half": 0.01})
 
 
 def test_a_slower_kvmerge_misses_the_target():
@@ -191,8 +191,24 @@ def test_a_slower_kvmerge_misses_the_target():
             r["result"]["duration"] = 10.5
     s = summaries(slow)
     assert ratio(s) == pytest.approx(20.0 / 21.0)
-    assert "95.2%" in verdict(s) and "NOT met" in verdict(s)
+    pairs = paired(slow)
+    assert pairs is not None and pairs["mean"] == pytest.approx(
+        (10.0 / 10.5 * 9.8 + 10.0 / 10.5 * 10.2) / 2 / 10.0
+    )
+    # Two rounds 4% apart: an interval of +/- 24%, which shows nothing.
+    assert "95.2%" in verdict(s, pairs) and "not shown" in verdict(s, pairs)
+    assert "NOT met" in verdict(s, {**pairs, "half": 0.01})
     assert ratio(summaries(RUNS[1:3])) is None
+
+
+def test_only_a_narrow_paired_interval_says_whether_the_target_is_met():
+    s = summaries(RUNS)
+    assert verdict(s, {"mean": 0.99, "half": 0.02}).endswith("98%: met)")
+    assert verdict(s, {"mean": 0.97, "half": 0.005}).endswith("98%: NOT met)")
+    wide = verdict(s, {"mean": 1.10, "half": 0.021})
+    assert "met" not in wide.replace("not shown", "")
+    assert "not shown: the paired interval, +/- 2.1%, is wider than +/- 2%" in wide
+    assert "not shown: needs two rounds of both" in verdict(s, None)
 
 
 def test_the_table_as_text_and_markdown(tmp_path, capsys):
