@@ -19,6 +19,8 @@ Only the event path differs from upstream:
 * ``take_events``: per child, in config order, the merged events, then
   whatever the child's own ``take_events`` yields;
 * ``reset_cache``: upstream behaviour, and every merger drops its pending state.
+* ``get_num_new_matched_tokens``, ``request_finished``: upstream's, noting
+  which requests run, for when kvmerge's stats go out (``kvmerge.vllm.stats``).
 
 Merged events leave ``take_events`` as ``msgspec.Raw`` (each event's msgpack
 bytes, which vLLM's ``ZmqEventPublisher`` writes verbatim: a view of them in
@@ -508,7 +510,7 @@ class KVMergeMultiConnector(MultiConnector):
         # vLLM's scheduler calls this once per step (update_from_output),
         # before take_events: a report counts its own step.
         timer.steps += 1
-        if not self._reports.now(started):
+        if not self._reports.due_now(started):
             timer.ns += perf_counter_ns() - started
             return children_stats
         tracker = self.__dict__.get("_stats_tracker")

@@ -40,9 +40,9 @@ The connector's own time in the engine-core process goes beside them, under
 since the previous report (``get_kv_connector_stats`` calls: vLLM's scheduler
 makes one per ``update_from_output``, the report's own step among them) and
 the nanoseconds the connector spent in its scheduler-side calls of those
-steps (``update_connector_output``,
-``get_kv_connector_stats``, ``take_events``, its children's calls included:
-what it adds to the engine's busy loop). Prometheus, labels ``model_name`` and
+steps (``update_connector_output``, ``get_kv_connector_stats``,
+``take_events``, its children's calls included: what it adds to the engine's
+busy loop). Prometheus, labels ``model_name`` and
 ``engine``: ``vllm:kvmerge_steps_total`` and ``vllm:kvmerge_step_seconds_total``
 (counters: their rates' ratio is the mean time per step); the log line:
 ``kvmerge_step={'steps': 120, 'ms': 4.2, 'us_per_step': 35.0}``.
@@ -124,7 +124,7 @@ WORKER_METRIC_NAMES: Final = (
     f"{PREFIX}worker_encode_seconds_total",
     f"{PREFIX}worker_output_bytes_total",
 )
-#: How often, at most, each side reports while requests run (nanoseconds).
+#: How often, at most, each side reports (nanoseconds).
 REPORT_NS: Final = 1_000_000_000
 
 _MERGER_COUNTERS: Final = ("reports", "published", "expired", "cleared", "withheld")
@@ -269,7 +269,7 @@ class SchedulerReports:
     def finished(self, request_id: str) -> None:
         self._running.discard(request_id)
 
-    def now(self, now_ns: int) -> bool:
+    def due_now(self, now_ns: int) -> bool:
         """Whether this step reports (if so, the interval starts again)."""
         if self._running and not self._interval.due(now_ns):
             return False
