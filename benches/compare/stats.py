@@ -39,7 +39,6 @@ import copy
 import logging
 import statistics
 import tempfile
-from pathlib import Path
 from time import perf_counter_ns
 from typing import Any
 
@@ -64,13 +63,9 @@ CASES = ("multi", "kvmerge, every step", "kvmerge")
 class Case:
     """One connector and the loggers of a front end that reads it."""
 
-    def __init__(self, name: str, connector: Any, cfg: Any, model: Path) -> None:
+    def __init__(self, name: str, connector: Any, cfg: Any) -> None:
         self.name = name
         self.connector = connector
-        cfg = copy.copy(cfg)
-        cfg.model_config = ModelConfig(
-            model=str(model), skip_tokenizer_init=True, served_model_name="tiny"
-        )
         self.prom = PrometheusStatLogger(cfg)
         self.log = LoggingStatLogger(cfg)
         self.encoder = MsgpackEncoder()
@@ -124,12 +119,17 @@ def _run(tp: int, events: int, steps: int, warmup: int) -> list[Case]:
     families = work.children
     every, limited = PathB(tp, families), PathB(tp, families)
     _running(limited.connector)
-    model = model_dir(tempfile.mkdtemp(prefix="kvmerge-stats-"))
-    cfg = path_config(CONNECTOR, tp, families)
+    # The loggers' config: the path's, with a model for their labels.
+    cfg = copy.copy(path_config(CONNECTOR, tp, families))
+    cfg.model_config = ModelConfig(
+        model=str(model_dir(tempfile.mkdtemp(prefix="kvmerge-stats-"))),
+        skip_tokenizer_init=True,
+        served_model_name="tiny",
+    )
     cases = [
-        Case(CASES[0], PathA(tp, families).multi, cfg, model),
-        Case(CASES[1], every.connector, cfg, model),
-        Case(CASES[2], limited.connector, cfg, model),
+        Case(CASES[0], PathA(tp, families).multi, cfg),
+        Case(CASES[1], every.connector, cfg),
+        Case(CASES[2], limited.connector, cfg),
     ]
     workload = Workload(work)
     for i in range(warmup + steps):

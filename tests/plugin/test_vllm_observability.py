@@ -45,8 +45,10 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from kvmerge.sim.model import model_dir
 from kvmerge.sim.transport import shm_roundtrip
 from kvmerge.vllm.stats import (
+    KEY,
     METRIC_NAMES,
     REPORT_NS,
+    STEP_KEY,
     STEP_METRIC_NAMES,
     WORKER_METRIC_NAMES,
     Interval,
@@ -522,8 +524,6 @@ def test_a_worker_reports_at_most_once_an_interval():
 
 def _scheduler_entries(stats: SchedulerStats | None) -> dict:
     """kvmerge's scheduler-side entries in a step's stats (not the workers')."""
-    from kvmerge.vllm.stats import KEY, STEP_KEY
-
     data = (stats.kv_connector_stats if stats is not None else None) or {}
     return {k: v for k, v in data.items() if k in (KEY, STEP_KEY)}
 
@@ -547,7 +547,7 @@ def test_the_scheduler_reports_once_an_interval_and_whole_when_idle(
     from kvmerge.sim.model import engine_config
     from kvmerge.sim.requests import Arrivals
     from kvmerge.vllm import register
-    from kvmerge.vllm.stats import KEY, STEP_KEY, SchedulerReports
+    from kvmerge.vllm.stats import SchedulerReports
 
     register()
     monkeypatch.setattr(Interval, "interval_ns", 10**15)

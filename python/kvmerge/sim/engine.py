@@ -173,13 +173,16 @@ class Engine:
             for o in eco.outputs
             if o.finish_reason is not None
         ]
-        stats = [eco.scheduler_stats for eco in results.values() if eco.scheduler_stats]
+        stats = next(
+            (eco.scheduler_stats for eco in results.values() if eco.scheduler_stats),
+            None,
+        )
         return Step(
             output=so,
             finished=finished,
             preempted=len(so.preempted_req_ids or ()),
             merge_ns=merge_ns,
-            scheduler_stats=stats[0] if stats else None,
+            scheduler_stats=stats,
         )
 
     def reset_prefix_cache(self) -> bool:
