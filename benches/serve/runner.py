@@ -105,6 +105,8 @@ def transfer_config(config: Config, args: Any, dir: Path) -> dict[str, Any]:
         num_blocks=args.num_blocks,
         example=args.example,
         seed=args.seed,
+        faults=not args.agree,
+        damage=0 if args.agree else ServedOptions.damage,
     )
     cfg = connector_config(opts, dir / "records", dir / "example")
     if config.drain:
@@ -183,14 +185,14 @@ def warm_up(server: Server, args: Any) -> float:
     return time.monotonic() - started
 
 
-def run_config(
-    config: Config, round_: int, args: Any, model: Path, workdir: Path
-) -> dict[str, Any]:
-    """One run of ``config`` (see the module's docstring): its record.
-    ``workdir`` must be short: the server's ipc sockets live under it."""
-    dir = workdir / f"{round_}-{config.name}"
+def make_server(
+    config: Config, name: str, args: Any, model: Path, workdir: Path
+) -> Server:
+    """``config``'s server (not started), its connector's files under
+    ``workdir / name``."""
+    dir = workdir / name
     dir.mkdir(parents=True)
-    server = Server(
+    return Server(
         ServerOptions(
             model=model,
             tp=args.tp,
@@ -203,6 +205,14 @@ def run_config(
         ),
         workdir,
     )
+
+
+def run_config(
+    config: Config, round_: int, args: Any, model: Path, workdir: Path
+) -> dict[str, Any]:
+    """One run of ``config`` (see the module's docstring): its record.
+    ``workdir`` must be short: the server's ipc sockets live under it."""
+    server = make_server(config, f"{round_}-{config.name}", args, model, workdir)
     out = server.dir / "result.json"
     with server:
         warm_s = warm_up(server, args)

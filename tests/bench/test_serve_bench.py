@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -181,7 +182,7 @@ def test_runs_are_pooled_per_configuration():
     assert k["events_per_step"] == pytest.approx(2.0)
     assert math.isnan(m["kvmerge_us_per_step"]) and math.isnan(m["kvmerge_share"])
     assert ratio(s) == pytest.approx(1.0)
-    assert "100.0%" in verdict(s, {"mean": 1.0, "half": 0.01})
+    assert "100.0%" in verdict(s, {"mean": 1.0, "low": 0.99, "high": 1.01})
 
 
 def test_a_slower_kvmerge_misses_the_target():
@@ -193,21 +194,23 @@ def test_a_slower_kvmerge_misses_the_target():
     assert ratio(s) == pytest.approx(20.0 / 21.0)
     pairs = paired(slow)
     assert pairs is not None and pairs["mean"] == pytest.approx(
-        (10.0 / 10.5 * 9.8 + 10.0 / 10.5 * 10.2) / 2 / 10.0
+        math.sqrt(10.0 / 10.5 * 9.8 / 10.0 * 10.0 / 10.5 * 10.2 / 10.0)
     )
-    # Two rounds 4% apart: an interval of +/- 24%, which shows nothing.
+    # Two rounds 4% apart: an interval from 72% to 127%, which shows nothing.
     assert "95.2%" in verdict(s, pairs) and "not shown" in verdict(s, pairs)
-    assert "NOT met" in verdict(s, {**pairs, "half": 0.01})
+    assert "NOT met" in verdict(s, {**pairs, "low": 0.93, "high": 0.97})
     assert ratio(summaries(RUNS[1:3])) is None
 
 
-def test_only_a_narrow_paired_interval_says_whether_the_target_is_met():
+def test_only_an_interval_on_one_side_of_the_target_says_whether_it_is_met():
     s = summaries(RUNS)
-    assert verdict(s, {"mean": 0.99, "half": 0.02}).endswith("98%: met)")
-    assert verdict(s, {"mean": 0.97, "half": 0.005}).endswith("98%: NOT met)")
-    wide = verdict(s, {"mean": 1.10, "half": 0.021})
-    assert "met" not in wide.replace("not shown", "")
-    assert "not shown: the paired interval, +/- 2.1%, is wider than +/- 2%" in wide
+    met = {"mean": 0.99, "low": 0.98, "high": 1.0}
+    assert verdict(s, met).endswith("98%: met)")
+    low = {"mean": 0.9, "low": 0.85, "high": 0.9799}
+    assert verdict(s, low).endswith("98%: NOT met)")
+    holds = verdict(s, {"mean": 1.10, "low": 0.979, "high": 1.2})
+    assert "met" not in holds.replace("not shown", "")
+    assert "not shown: the paired interval, 97.9% to 120.0%, holds it" in holds
     assert "not shown: needs two rounds of both" in verdict(s, None)
 
 
@@ -237,10 +240,26 @@ def test_the_ratio_is_paired_by_round_with_its_interval():
     p = paired(RUNS)
     assert p is not None and p["rounds"] == 2
     assert p["ratios"] == pytest.approx([0.98, 1.02])
-    assert p["mean"] == pytest.approx(1.0)
-    # sd 0.02*sqrt(2), n 2, t(1) 12.706: the half-width.
-    assert p["half"] == pytest.approx(12.706 * 0.02 * math.sqrt(2) / math.sqrt(2))
-    assert "paired by round (2 rounds): 100.0% +/- 25.4%" in render({"runs": RUNS})
+    # On the logarithms: their mean, and t(1) 12.706 times their sd over
+    # sqrt(2) either side of it.
+    logs = [math.log(0.98), math.log(1.02)]
+    mean, sd = sum(logs) / 2, abs(logs[1] - logs[0]) / math.sqrt(2)
+    assert p["mean"] == pytest.approx(math.sqrt(0.98 * 1.02))
+    half = 12.706 * sd / math.sqrt(2)
+    assert p["low"] == pytest.approx(math.exp(mean - half))
+    assert p["high"] == pytest.approx(math.exp(mean + half))
+    assert "paired by round (2 rounds): 100.0% (95% t interval 77.5% to 128.9%" in (
+        render({"runs": RUNS})
+    )
+    # A stalled baseline run (4x slower) moves the geometric mean by what a
+    # 4x faster one would take away.
+    stalled = [dict(r, result=dict(r["result"])) for r in RUNS]
+    stalled[1]["result"]["duration"] *= 4
+    fast = [dict(r, result=dict(r["result"])) for r in RUNS]
+    fast[1]["result"]["duration"] /= 4
+    up, down = paired(stalled), paired(fast)
+    assert up is not None and down is not None
+    assert up["mean"] * down["mean"] == pytest.approx(p["mean"] ** 2)
     assert paired(RUNS[:2]) is None
     assert t95(1) == 12.706 and t95(11) == t95(10) and t95(100) == 1.96
 
@@ -276,6 +295,29 @@ def test_no_child_records_its_reports(tmp_path):
 
 
 @pytest.mark.vllm
+def test_agreeing_children_script_no_fault(tmp_path):
+    """``--agree``: every fault off in every configuration; by default the
+    serve tests' (one child's ranks late, lost, repeated, one damaging)."""
+    from benches.serve.runner import transfer_config
+    from kvmerge.sim.children import EXTRA_KEY, ChildSettings
+
+    def faults(argv: list[str]) -> list[tuple[bool, bool, bool, int]]:
+        cfg = transfer_config(CONFIGS["kvmerge"], parse(argv), tmp_path)
+        out = []
+        for c in cfg["kv_connector_extra_config"]["connectors"]:
+            extra = c["kv_connector_extra_config"]
+            if EXTRA_KEY in extra:
+                f = ChildSettings.from_extra(extra).faults
+                out.append((f.late, f.lost, f.repeat, f.damage))
+        return out
+
+    assert faults(["--agree"]) == [(False, False, False, 0)] * 2
+    scripted = faults([])
+    assert len(scripted) == 2 and any(any(f) for f in scripted)
+    assert any(f[3] > 0 for f in scripted)
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("drain", [True, False])
 def test_the_drain_baseline_has_its_children_build_their_events(drain):
     """``drain``'s workers ask every child for its events each step, as
@@ -299,3 +341,95 @@ def test_the_drain_baseline_has_its_children_build_their_events(drain):
     for _ in range(3):
         assert worker.get_kv_connector_kv_cache_events() is None
     assert [child.step for child in worker._connectors] == [3 if drain else 0] * 2
+
+
+def test_bursts_send_the_same_prefix_repetition_prompts_every_time():
+    from benches.serve.bursts import prompts
+
+    args = parse(["--num-prompts", "10", "--num-prefixes", "3"])
+    got = prompts(args)
+    assert got == prompts(args) and len(got) == 10
+    lens = {len(p.split()) for p in got}
+    assert lens == {args.prefix_len + args.suffix_len}
+    heads = [" ".join(p.split()[: args.prefix_len]) for p in got]
+    assert len(set(heads)) == 3 and heads[0] == heads[3] != heads[1]
+    tails = [" ".join(p.split()[args.prefix_len :]) for p in got]
+    assert len(set(tails)) == 10
+    assert prompts(parse(["--num-prompts", "10", "--seed", "1"])) != got
+
+
+class _Served:
+    """A stand-in for ``kvmerge.sim.server.Server``'s HTTP calls (the burst's
+    bookkeeping is under test here, not vLLM): what was asked, in order."""
+
+    def __init__(self, fail_every: int = 0) -> None:
+        self.calls: list[str] = []
+        self.steps = 0.0
+        self.dir = Path("served")
+        self.fail_every = fail_every
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append("reset")
+        return True
+
+    def metrics(self) -> str:
+        self.calls.append("metrics")
+        return f'vllm:iteration_tokens_total_count{{engine="0"}} {self.steps}\n'
+
+    def complete(self, prompt: str, max_tokens: int) -> int:
+        self.calls.append("complete")
+        self.steps += 4
+        n = self.calls.count("complete")
+        return 500 if self.fail_every and n % self.fail_every == 0 else 200
+
+
+def test_a_burst_resets_the_caches_then_times_its_requests_only(monkeypatch):
+    from benches.serve import bursts
+
+    monkeypatch.setattr(bursts, "SETTLE_S", 0.0)
+    args = parse(["--num-prompts", "6", "--concurrency", "2"])
+    served = _Served(fail_every=3)
+    rec = bursts.burst(served, "kvmerge", 4, bursts.prompts(args), args)
+    assert served.calls[:2] == ["reset", "metrics"]
+    assert served.calls[2:-1] == ["complete"] * 6 and served.calls[-1] == "metrics"
+    assert (rec["config"], rec["round"]) == ("kvmerge", 4)
+    res = rec["result"]
+    assert (res["completed"], res["failed"]) == (4, 2)
+    assert res["duration"] > 0
+    assert res["request_throughput"] == pytest.approx(4 / res["duration"])
+    assert rec["metrics"]["engine_steps"] == 24
+    # This process's CPU over the burst, by its name.
+    comm = Path("/proc/self/comm").read_text().strip()
+    assert list(rec["cpu_s"]) == [comm] and rec["cpu_s"][comm] >= 0
+    # The record pairs and summarises as a run's does.
+    other = dict(rec, config="drain")
+    assert paired([rec, other, dict(rec, round=5), dict(other, round=5)]) is not None
+    assert summaries([rec])["kvmerge"]["completed"] == 4
+
+
+def test_many_runs_are_summarised_not_listed():
+    """``--interleave`` makes hundreds of bursts: the table gives each
+    configuration's range and median, the order its first round."""
+    from benches.serve.report import LISTED_RUNS
+
+    rounds = LISTED_RUNS + 1
+    runs = []
+    for round_, name in order(["kvmerge", "drain"], rounds):
+        seconds = 10.0 + round_ * (1 if name == "drain" else 2) / 10
+        runs.append(record(name, seconds, 40, [], [], {}, (1.0 + round_, 2.0), round_))
+    text = render({"runs": runs})
+    k_row = text.splitlines()[1]
+    # 40 requests in 10.0 .. 10.0 + (rounds - 1) * 0.2 s
+    slowest = 40 / (10.0 + (rounds - 1) * 0.2)
+    assert f"{slowest:.2f}..4.00 (median " in k_row
+    assert (
+        "order: kvmerge drain, then each round the reverse of the one before "
+        f"({2 * rounds} runs)" in text
+    )
+    assert f"load average (1 min) from 1.00 to {rounds:.2f} over the runs" in text
+    assert "  4.00 3.92" not in text
+    few = render({"runs": runs[:LISTED_RUNS]})
+    assert "order: kvmerge drain drain kvmerge" in few and "(median" not in few
