@@ -29,7 +29,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kvmerge.sim.model import VOCAB, word
+from kvmerge.sim.model import WORDS, word
 from kvmerge.sim.server import Server
 
 from .runner import CONFIGS, delta, make_server, scrape, warm_up
@@ -47,8 +47,7 @@ def prompts(args: Any) -> list[str]:
     rng = random.Random(args.seed)
 
     def words(n: int) -> str:
-        # The tokenizer's special tokens are its last ids.
-        return " ".join(word(rng.randrange(VOCAB - 3)) for _ in range(n))
+        return " ".join(word(rng.randrange(WORDS)) for _ in range(n))
 
     prefixes = [words(args.prefix_len) for _ in range(args.num_prefixes)]
     return [

@@ -137,11 +137,14 @@ _SERVED_HEAD_SIZE: Final = 32
 _SERVED_HEADS: Final = 4
 #: The tokenizer's special tokens; word ``i`` (``word(i)``) follows them.
 _SPECIAL: Final = ("<unk>", "<s>", "</s>")
+#: The served tokenizer's words (``word(i)`` for ``i`` below it): its
+#: vocabulary but the special tokens.
+WORDS: Final = VOCAB - len(_SPECIAL)
 
 
 def word(i: int) -> str:
-    """The word of the served tokenizer for ``i`` in ``range(VOCAB -
-    len(_SPECIAL))``: one token each, whitespace between them."""
+    """The word of the served tokenizer for ``i`` in ``range(WORDS)``: one
+    token each, whitespace between them."""
     return f"w{i}"
 
 
@@ -166,7 +169,7 @@ def served_model_dir(
     path = Path(tempfile.mkdtemp(prefix="kvmerge-served-", dir=parent))
     (path / "config.json").write_text(json.dumps(config))
     vocab = {t: i for i, t in enumerate(_SPECIAL)}
-    vocab.update((word(i), len(_SPECIAL) + i) for i in range(VOCAB - len(_SPECIAL)))
+    vocab.update((word(i), len(_SPECIAL) + i) for i in range(WORDS))
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=_SPECIAL[0]))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(

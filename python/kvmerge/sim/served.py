@@ -37,7 +37,7 @@ from kvmerge import DEFAULT_MAX_PENDING_STEPS
 from kvmerge.vllm.config import ChildRule
 
 from .dynamo import as_i64
-from .model import CONNECTOR, KV_ROLE, VOCAB, child_entry, served_model_dir, word
+from .model import CONNECTOR, KV_ROLE, WORDS, child_entry, served_model_dir, word
 from .requests import Arrivals
 from .routing import TIER_OF_MEDIUM, RouterCheck, RouterModel, tier_differences
 from .run import Check, Options, Result
@@ -426,7 +426,6 @@ def prompts(opts: ServedOptions) -> list[tuple[str, int]]:
       needs new blocks as it grows, which makes the scheduler preempt (the
       others never outgrow the blocks their prompt took)."""
     arrivals = Arrivals(seed=opts.seed)
-    words = VOCAB - 3
     out = []
     for i in range(opts.requests):
         p = arrivals.prompt()
@@ -437,7 +436,7 @@ def prompts(opts: ServedOptions) -> list[tuple[str, int]]:
             tokens, max_tokens = p.token_ids[:BLOCK_SIZE], LONG_TOKENS
         else:
             tokens, max_tokens = p.token_ids[: n - (n - 2) % BLOCK_SIZE], p.max_tokens
-        out.append((" ".join(word(t % words) for t in tokens), max_tokens))
+        out.append((" ".join(word(t % WORDS) for t in tokens), max_tokens))
     return out
 
 
