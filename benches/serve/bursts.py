@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmerge.sim.model import WORDS, word
-from kvmerge.sim.server import Server
+from kvmerge.sim.server import Server, stat_fields
 
 from .runner import CONFIGS, delta, make_server, scrape, warm_up
 
@@ -65,11 +65,10 @@ def cpu_seconds(pids: list[int]) -> dict[str, float]:
     for pid in pids:
         try:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(pid)
         except OSError:
             continue
-        # utime and stime: the 14th and 15th fields, the 12th and 13th after
-        # the name.
+        # utime and stime (clock ticks).
         out[comm] = out.get(comm, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 

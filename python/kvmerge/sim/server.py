@@ -556,13 +556,21 @@ def _group_alive(pgid: int, proc: subprocess.Popen[bytes]) -> bool:
     return False
 
 
+def stat_fields(pid: int) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the process's name (which may
+    hold spaces and parentheses): the state at index 0, the parent's pid at
+    1, the process group at 2, utime and stime at 11 and 12. OSError when
+    the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _group_pids(pgid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(int(entry))
         except (OSError, IndexError):
             continue
         if int(fields[2]) == pgid:
