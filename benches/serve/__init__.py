@@ -6,7 +6,8 @@ in the wheel); the server and the client come from the venv of vLLM's CPU
 build that ``KVMERGE_VLLM_CPU_PYTHON`` names (``.ci/setup.sh 0.32.0`` prints
 it).
 
-Four configurations, the same settings and the same requests:
+Four configurations, the same settings and the same requests, and a fifth
+on request:
 
 * ``kvmerge``: ``KVMergeMultiConnector`` over the simulated children
   (``kvmerge.sim.children``: LMCache's and Mooncake's families, in vLLM's
@@ -16,7 +17,12 @@ Four configurations, the same settings and the same requests:
   kvmerge, nothing of kvmerge's;
 * ``multi``: vLLM's ``MultiConnector`` over the same children, KV events on
   (its children's events are not published);
-* ``events-off``: ``multi`` without ``--kv-events-config``.
+* ``events-off``: ``multi`` without ``--kv-events-config``;
+* ``spend`` (not run unless named): ``drain`` whose connector spends
+  ``--spend-us`` of CPU every step, in the scheduler and in each worker's
+  output: kvmerge's own measured time, nothing else of kvmerge's. Its ratio
+  over ``drain`` is what that time costs the server; what kvmerge loses
+  beyond it is elsewhere.
 
 Each run starts the server (TP 2, prefix caching, ``--load-format dummy``),
 warms it up, resets its prefix caches, runs ``vllm bench serve`` on the
@@ -33,11 +39,16 @@ step, and kvmerge's throughput over ``drain``'s (the target: 98%).
 server up and alternates short bursts of the same requests between them, a
 round seconds long: the pairs are seconds apart, not minutes, and the
 hundreds of rounds a narrow interval needs on a shared host fit in an hour.
+``python -m benches.serve.loop`` (``benches.serve.loop``) runs the same
+configurations in vLLM's scheduler loop in one process, without a server,
+and times each side of every step.
 
     python -m benches.serve                 # the full run (~20 minutes)
     python -m benches.serve --quick         # one short round (~4 minutes)
     python -m benches.serve --configs kvmerge,drain --interleave \
         --rounds 150 --num-prompts 96       # bursts (~45 minutes)
+    python -m benches.serve --configs kvmerge,drain,spend --interleave \
+        --rounds 60 --num-prompts 96       # kvmerge's measured time alone
     python -m benches.serve --render bench-out/serve/serve.json --markdown
 """
 
@@ -60,7 +71,13 @@ from .report import render, summaries
 __all__ = ["build_parser", "main", "order", "run"]
 
 DEFAULT_OUT = "bench-out/serve"
-CONFIG_NAMES = ("kvmerge", "drain", "multi", "events-off")
+CONFIG_NAMES = ("kvmerge", "drain", "multi", "events-off", "spend")
+DEFAULT_CONFIGS = CONFIG_NAMES[:4]
+#: ``spend``'s CPU time a step (us): the scheduler's, each worker's; kvmerge's
+#: own, as ``vllm:kvmerge_step_seconds_total`` and
+#: ``vllm:kvmerge_worker_encode_seconds_total`` measured it here with the
+#: children's disagreements on (docs/benchmarks.md, "The real server in bursts").
+DEFAULT_SPEND_US = (71.0, 22.0)
 
 
 def _configs(text: str) -> list[str]:
@@ -83,6 +100,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _spend(text: str) -> tuple[float, float]:
+    try:
+        scheduler_us, worker_us = (float(x) for x in text.split(","))
+    except ValueError:
+        scheduler_us = worker_us = -1.0
+    if not (scheduler_us >= 0 and worker_us >= 0):
+        raise argparse.ArgumentTypeError(
+            f"expected SCHEDULER,WORKER microseconds, both >= 0: {text!r}"
+        )
+    return scheduler_us, worker_us
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benches.serve",
@@ -93,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--configs",
         type=_configs,
-        default=list(CONFIG_NAMES),
-        help=f"configurations, in the first round's order (default "
-        f"{','.join(CONFIG_NAMES)})",
+        default=list(DEFAULT_CONFIGS),
+        help=f"configurations among {','.join(CONFIG_NAMES)}, in the first "
+        f"round's order (default {','.join(DEFAULT_CONFIGS)})",
     )
     g.add_argument(
         "--rounds",
@@ -139,6 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the children's ranks agree: none late, no report lost, "
         "repeated or damaged (default: the serve tests' disagreements)",
+    )
+    s.add_argument(
+        "--spend-us",
+        type=_spend,
+        default=DEFAULT_SPEND_US,
+        metavar="SCHEDULER,WORKER",
+        help="spend's CPU time a step, in the scheduler and in each worker's "
+        "output (default {},{}: kvmerge's own, measured here)".format(
+            *(f"{x:g}" for x in DEFAULT_SPEND_US)
+        ),
     )
     s.add_argument(
         "--python",

@@ -40,20 +40,26 @@ from .runner import CONFIGS, delta, make_server, scrape, warm_up
 SETTLE_S = 1.5
 
 
-def prompts(args: Any) -> list[str]:
+def prompt_ids(args: Any) -> list[list[int]]:
     """``--num-prompts`` prompts of ``vllm bench serve``'s ``prefix_repetition``
-    shape: ``--num-prefixes`` shared prefixes, each prompt one of them and
-    its own suffix, the same for every burst (seeded by ``--seed``)."""
+    shape, as word numbers (``kvmerge.sim.model.word``): ``--num-prefixes``
+    shared prefixes, each prompt one of them and its own suffix, the same
+    for every burst (seeded by ``--seed``)."""
     rng = random.Random(args.seed)
 
-    def words(n: int) -> str:
-        return " ".join(word(rng.randrange(WORDS)) for _ in range(n))
+    def words(n: int) -> list[int]:
+        return [rng.randrange(WORDS) for _ in range(n)]
 
     prefixes = [words(args.prefix_len) for _ in range(args.num_prefixes)]
     return [
-        f"{prefixes[i % len(prefixes)]} {words(args.suffix_len)}"
+        prefixes[i % len(prefixes)] + words(args.suffix_len)
         for i in range(args.num_prompts)
     ]
+
+
+def prompts(args: Any) -> list[str]:
+    """``prompt_ids`` as the served tokenizer's text: a token a word."""
+    return [" ".join(word(i) for i in ids) for ids in prompt_ids(args)]
 
 
 def cpu_seconds(pids: list[int]) -> dict[str, float]:

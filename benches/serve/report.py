@@ -197,8 +197,10 @@ def table(summary: Mapping[str, Mapping[str, Any]], markdown: bool = False) -> s
     return "\n".join(out)
 
 
-def paired(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """kvmerge's request throughput over the baseline's in each round that
+def paired(
+    runs: Sequence[Mapping[str, Any]], ours: str = OURS
+) -> dict[str, Any] | None:
+    """``ours``' request throughput over the baseline's in each round that
     ran both (runs of one round are neighbours in time: the host's drift
     mostly cancels); their geometric mean and its 95% t interval, taken on
     the ratios' logarithms (a round twice as fast and one twice as slow
@@ -210,9 +212,9 @@ def paired(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         req_s = int(x["completed"]) / float(x["duration"]) if x["duration"] else 0.0
         by_round.setdefault(int(r["round"]), {})[r["config"]] = req_s
     ratios = [
-        rs[OURS] / rs[BASELINE]
+        rs[ours] / rs[BASELINE]
         for _, rs in sorted(by_round.items())
-        if rs.get(OURS) and rs.get(BASELINE)
+        if rs.get(ours) and rs.get(BASELINE)
     ]
     n = len(ratios)
     if n < 2:
@@ -282,23 +284,33 @@ def _order_and_load(runs: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     )
 
 
+def _interval(name: str, pairs: Mapping[str, Any] | None) -> str:
+    if pairs is None:
+        return f"{name} paired by round: needs two rounds of both"
+    return (
+        f"{name} / {BASELINE} paired by round ({pairs['rounds']} rounds): "
+        f"{pairs['mean'] * 100:.1f}% (95% t interval {pairs['low'] * 100:.1f}% "
+        f"to {pairs['high'] * 100:.1f}%, geometric)"
+    )
+
+
 def render(doc: Mapping[str, Any], markdown: bool = False) -> str:
     """The document's table, the ratio and the run order, as printed."""
     summary = summaries(doc["runs"])
     order, loads = _order_and_load(doc["runs"])
     pairs = paired(doc["runs"])
-    interval = (
-        f"paired by round ({pairs['rounds']} rounds): {pairs['mean'] * 100:.1f}% "
-        f"(95% t interval {pairs['low'] * 100:.1f}% to {pairs['high'] * 100:.1f}%, "
-        "geometric)"
-        if pairs is not None
-        else "paired by round: needs two rounds of both"
-    )
     parts = [
         table(summary, markdown),
         "",
         verdict(summary, pairs),
-        interval,
+        _interval(OURS, pairs),
+    ]
+    # Any other configuration against the baseline (``spend``'s: what
+    # kvmerge's measured time alone costs).
+    for name in summary:
+        if name not in (OURS, BASELINE) and (other := paired(doc["runs"], name)):
+            parts.append(_interval(name, other))
+    parts += [
         f"order: {order}",
         f"load average (1 min) {loads}",
     ]

@@ -30,18 +30,22 @@ from kvmerge.sim.server import Server, ServerOptions, cpu_python
 class Config:
     """A configuration: vLLM's MultiConnector or kvmerge's over the same
     children, KV events on or off; ``drain``: MultiConnector's workers drain
-    the children's events and drop them (``kvmerge.sim.baseline``)."""
+    the children's events and drop them (``kvmerge.sim.baseline``);
+    ``spend``: besides, the connector spends ``--spend-us`` of CPU a step."""
 
     name: str
     kvmerge: bool
     kv_events: bool
     drain: bool = False
+    spend: bool = False
 
 
 #: The same children under each. ``drain`` is ``multi`` with the children's
 #: own work of building their events, as under kvmerge: ``drain`` ->
 #: ``kvmerge`` is kvmerge's cost. ``events-off`` is ``multi`` without
 #: ``--kv-events-config``: ``events-off`` -> ``multi`` is vLLM's own KV events'.
+#: ``spend`` is ``drain`` spending kvmerge's measured CPU time a step and
+#: nothing else of kvmerge's: ``drain`` -> ``spend`` is what that time costs.
 CONFIGS = {
     c.name: c
     for c in (
@@ -49,6 +53,7 @@ CONFIGS = {
         Config("drain", kvmerge=False, kv_events=True, drain=True),
         Config("multi", kvmerge=False, kv_events=True),
         Config("events-off", kvmerge=False, kv_events=False),
+        Config("spend", kvmerge=False, kv_events=True, drain=True, spend=True),
     )
 }
 
@@ -95,7 +100,7 @@ def transfer_config(config: Config, args: Any, dir: Path) -> dict[str, Any]:
     """``--kv-transfer-config``: ``kvmerge.sim.served``'s, without the
     children's recording (it writes every rank's reports to disk each step,
     and only under kvmerge: vLLM's MultiConnector never asks for them)."""
-    from kvmerge.sim.baseline import DRAIN_CONNECTOR, DRAIN_MODULE_PATH
+    from kvmerge.sim.baseline import DRAIN_CONNECTOR, DRAIN_MODULE_PATH, SPEND_KEY
     from kvmerge.sim.children import EXTRA_KEY, ChildSettings
     from kvmerge.sim.served import UPSTREAM, ServedOptions, connector_config
 
@@ -112,6 +117,12 @@ def transfer_config(config: Config, args: Any, dir: Path) -> dict[str, Any]:
     if config.drain:
         cfg["kv_connector"] = DRAIN_CONNECTOR
         cfg["kv_connector_module_path"] = DRAIN_MODULE_PATH
+    if config.spend:
+        scheduler_us, worker_us = args.spend_us
+        cfg["kv_connector_extra_config"][SPEND_KEY] = {
+            "scheduler": scheduler_us,
+            "worker": worker_us,
+        }
     for child in cfg["kv_connector_extra_config"]["connectors"]:
         extra = child["kv_connector_extra_config"]
         if EXTRA_KEY in extra:

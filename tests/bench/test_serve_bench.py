@@ -38,9 +38,12 @@ def test_the_module_and_its_options_import_no_vllm():
 
 def test_options():
     args = parse([])
-    assert args.configs == ["kvmerge", "drain", "multi", "events-off"] == list(CONFIGS)
+    assert args.configs == ["kvmerge", "drain", "multi", "events-off"]
+    assert list(CONFIGS) == [*args.configs, "spend"]
     assert (args.rounds, args.tp, args.num_prompts) == (2, 2, 960)
     assert not args.example
+    assert args.spend_us == (71.0, 22.0)
+    assert parse(["--spend-us", "40,0.5"]).spend_us == (40.0, 0.5)
     quick = parse(["--quick", "--configs", "multi,kvmerge"])
     assert (quick.rounds, quick.num_prompts, quick.configs) == (
         1,
@@ -52,6 +55,9 @@ def test_options():
         ["--configs", "multi,multi"],
         ["--rounds", "0"],
         ["--prefix-len", "500"],
+        ["--spend-us", "40"],
+        ["--spend-us", "40,-1"],
+        ["--spend-us", "40,nan"],
     ):
         with pytest.raises(SystemExit):
             parse(bad)
@@ -65,11 +71,13 @@ def test_rounds_alternate_their_order():
 
 def test_configurations_differ_only_in_connector_and_events():
     k, d, m = CONFIGS["kvmerge"], CONFIGS["drain"], CONFIGS["multi"]
-    off = CONFIGS["events-off"]
-    assert (k.kvmerge, k.kv_events, k.drain) == (True, True, False)
-    assert (d.kvmerge, d.kv_events, d.drain) == (False, True, True)
-    assert (m.kvmerge, m.kv_events, m.drain) == (False, True, False)
+    off, spend = CONFIGS["events-off"], CONFIGS["spend"]
+    assert (k.kvmerge, k.kv_events, k.drain, k.spend) == (True, True, False, False)
+    assert (d.kvmerge, d.kv_events, d.drain, d.spend) == (False, True, True, False)
+    assert (m.kvmerge, m.kv_events, m.drain, m.spend) == (False, True, False, False)
     assert (off.kvmerge, off.kv_events, off.drain) == (False, False, False)
+    assert (spend.kvmerge, spend.kv_events, spend.drain) == (False, True, True)
+    assert spend.spend
 
 
 METRICS = """\
@@ -185,6 +193,23 @@ def test_runs_are_pooled_per_configuration():
     assert "100.0%" in verdict(s, {"mean": 1.0, "low": 0.99, "high": 1.01})
 
 
+def test_another_configuration_is_paired_with_the_baseline_too():
+    """``spend`` (or any configuration but kvmerge and the baseline) gets
+    its own paired line; kvmerge's verdict is unchanged by it."""
+    spend = [
+        dict(r, config="spend", result=dict(r["result"], duration=10.4))
+        for r in RUNS
+        if r["config"] == "kvmerge"
+    ]
+    runs = [*RUNS, *spend]
+    p = paired(runs, "spend")
+    assert p is not None and p["ratios"] == pytest.approx([9.8 / 10.4, 10.2 / 10.4])
+    assert paired(runs) == paired(RUNS)
+    text = render({"runs": runs})
+    assert f"spend / drain paired by round (2 rounds): {p['mean'] * 100:.1f}%" in text
+    assert text.count("paired by round") == 2
+
+
 def test_a_slower_kvmerge_misses_the_target():
     slow = [dict(r, result=dict(r["result"])) for r in RUNS]
     for r in slow:
@@ -248,9 +273,13 @@ def test_the_ratio_is_paired_by_round_with_its_interval():
     half = 12.706 * sd / math.sqrt(2)
     assert p["low"] == pytest.approx(math.exp(mean - half))
     assert p["high"] == pytest.approx(math.exp(mean + half))
-    assert "paired by round (2 rounds): 100.0% (95% t interval 77.5% to 128.9%" in (
-        render({"runs": RUNS})
-    )
+    text = render({"runs": RUNS})
+    assert (
+        "kvmerge / drain paired by round (2 rounds): 100.0% (95% t interval "
+        "77.5% to 128.9%"
+    ) in text
+    # Only kvmerge and the baseline ran: no other pairing is printed.
+    assert text.count("paired by round") == 1
     # A stalled baseline run (4x slower) moves the geometric mean by what a
     # 4x faster one would take away.
     stalled = [dict(r, result=dict(r["result"])) for r in RUNS]
@@ -299,6 +328,7 @@ def test_agreeing_children_script_no_fault(tmp_path):
     """``--agree``: every fault off in every configuration; by default the
     serve tests' (one child's ranks late, lost, repeated, one damaging)."""
     from benches.serve.runner import transfer_config
+    from kvmerge.sim.baseline import SPEND_KEY
     from kvmerge.sim.children import EXTRA_KEY, ChildSettings
 
     def faults(argv: list[str]) -> list[tuple[bool, bool, bool, int]]:
@@ -312,6 +342,14 @@ def test_agreeing_children_script_no_fault(tmp_path):
         return out
 
     assert faults(["--agree"]) == [(False, False, False, 0)] * 2
+    spend = transfer_config(CONFIGS["spend"], parse(["--spend-us", "5,2"]), tmp_path)
+    assert spend["kv_connector_extra_config"][SPEND_KEY] == {
+        "scheduler": 5.0,
+        "worker": 2.0,
+    }
+    for name in ("kvmerge", "drain"):
+        cfg = transfer_config(CONFIGS[name], parse([]), tmp_path)
+        assert SPEND_KEY not in cfg["kv_connector_extra_config"]
     scripted = faults([])
     assert len(scripted) == 2 and any(any(f) for f in scripted)
     assert any(f[3] > 0 for f in scripted)
@@ -341,6 +379,50 @@ def test_the_drain_baseline_has_its_children_build_their_events(drain):
     for _ in range(3):
         assert worker.get_kv_connector_kv_cache_events() is None
     assert [child.step for child in worker._connectors] == [3 if drain else 0] * 2
+
+
+@pytest.mark.vllm
+def test_spend_spends_its_time_on_each_side():
+    """``spend``'s connector is ``drain``'s, spending its microseconds in each
+    worker's output and in the scheduler's ``update_connector_output``; with
+    none configured, ``drain``'s spends nothing (its calls return far
+    sooner than the time asked of ``spend``)."""
+    from time import perf_counter_ns
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvmerge.sim.baseline import DRAIN_CONNECTOR, DRAIN_MODULE_PATH, SPEND_KEY
+    from kvmerge.sim.children import entry
+    from kvmerge.sim.model import connector_config, create_connector, worker_config
+
+    def fastest(call, n: int = 20) -> float:
+        best = math.inf
+        for _ in range(n):
+            started = perf_counter_ns()
+            call()
+            best = min(best, (perf_counter_ns() - started) / 1e3)
+        return best
+
+    def sides(spend: dict[str, float] | None) -> tuple[float, float]:
+        cfg = connector_config(
+            [entry("lmcache", 0), entry("mooncake", 1)],
+            tp=2,
+            connector=DRAIN_CONNECTOR,
+            module_path=DRAIN_MODULE_PATH,
+            **({} if spend is None else {SPEND_KEY: spend}),
+        )
+        worker = create_connector(worker_config(cfg, 1), KVConnectorRole.WORKER)
+        scheduler = create_connector(cfg, KVConnectorRole.SCHEDULER)
+        return (
+            fastest(lambda: scheduler.update_connector_output(KVConnectorOutput())),
+            fastest(worker.get_kv_connector_kv_cache_events),
+        )
+
+    scheduler_us, worker_us = sides({"scheduler": 3000, "worker": 2000})
+    assert scheduler_us >= 3000 and worker_us >= 2000
+    scheduler_us, worker_us = sides(None)
+    assert scheduler_us < 2000 and worker_us < 2000
 
 
 def test_bursts_send_the_same_prefix_repetition_prompts_every_time():
@@ -433,3 +515,43 @@ def test_many_runs_are_summarised_not_listed():
     assert "  4.00 3.92" not in text
     few = render({"runs": runs[:LISTED_RUNS]})
     assert "order: kvmerge drain drain kvmerge" in few and "(median" not in few
+
+
+@pytest.mark.vllm
+def test_the_loop_times_each_side_of_every_step():
+    """``benches.serve.loop``: the same requests through each configuration's
+    engine; ``spend``'s time shows on the side it is spent on (at least half
+    of it over ``drain``'s median: the rest of the step is the same work)."""
+    from benches.serve.loop import measure, render
+
+    args = parse(
+        [
+            "--configs",
+            "kvmerge,drain,spend",
+            "--rounds",
+            "1",
+            "--num-prompts",
+            "8",
+            "--spend-us",
+            "2000,1000",
+        ]
+    )
+    timings = measure(args)
+    steps = {name: len(t.scheduler) for name, t in timings.items()}
+    assert min(steps.values()) > 8, steps
+    for t in timings.values():
+        assert len(t.worker) == args.tp * len(t.scheduler)
+
+    def over_drain(side: str) -> float:
+        def median(name: str) -> float:
+            return sorted(getattr(timings[name], side))[
+                len(getattr(timings[name], side)) // 2
+            ]
+
+        return (median("spend") - median("drain")) / 1e3
+
+    assert over_drain("scheduler") >= 1000
+    assert over_drain("worker") >= 500
+    text = render(timings)
+    assert "(in brackets: the difference from drain's)" in text
+    assert [line.split()[0] for line in text.splitlines()[1:4]] == list(timings)

@@ -36,6 +36,8 @@ PREFIXES: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     (".ci/demo",): ("kvmerge", ("demo",)),
     ("python", "-m", "benches.compare"): ("benches.compare", ()),
     ("python", "-m", "benches.serve"): ("benches.serve", ()),
+    # The same options as benches.serve's (benches/serve/loop.py).
+    ("python", "-m", "benches.serve.loop"): ("benches.serve", ()),
     ("python", "-m", "benches.compare.stats"): ("benches.compare.stats", ()),
 }
 #: Where a command line ends, in a shell.
