@@ -11,7 +11,7 @@ kvmerge's part. Here each configuration's engine
 ``ZmqEventPublisher``, the TP ranks' connectors in this process, each
 output through the shm queue's pickling) runs ``benches.serve``'s children
 (``runner.transfer_config``) on the same requests, and every step is timed
-on both sides:
+on both sides (``Engine.step``'s ``worker_ns``; ``unpickle_ns`` and ``merge_ns``):
 
 * ``worker``: a rank's connector calls in the model runner's order
   (``kvmerge.sim.worker.Worker.execute``; no forward pass) and the pickling
@@ -33,7 +33,6 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,35 +90,21 @@ def build_engine(name: str, args: Any, dir: Path) -> Any:
 def run_once(engine: Any, prompts: list[list[int]], args: Any, into: Timings) -> None:
     """Every prompt through ``engine``, at most ``--concurrency`` at a time."""
     from kvmerge.sim.requests import Prompt
-    from kvmerge.sim.transport import dequeue, enqueue
 
     # Request ids unique per run: a scheduler keeps finished ids for a while.
     tag = f"{id(into)}-{len(into.scheduler)}"
     waiting = [
         Prompt(f"{tag}-{i}", ids, args.output_len) for i, ids in enumerate(prompts)
     ]
-    scheduler, aggregator = engine.scheduler, engine.aggregator
     engine.add(waiting[: args.concurrency])
     waiting = waiting[args.concurrency :]
-    while scheduler.has_requests():
-        so = scheduler.schedule()
-        received = dequeue(enqueue(so))
-        wires = []
-        for worker in engine.workers:
-            started = time.perf_counter_ns()
-            wires.append(enqueue(worker.execute(received)))
-            into.worker.append(time.perf_counter_ns() - started)
-        started = time.perf_counter_ns()
-        outputs = [dequeue(w) for w in wires]
-        out = aggregator.aggregate(outputs, output_rank=0)
-        results = scheduler.update_from_output(so, out)
-        into.scheduler.append(time.perf_counter_ns() - started)
-        finished = sum(
-            o.finish_reason is not None for eco in results.values() for o in eco.outputs
-        )
-        if finished and waiting:
-            engine.add(waiting[:finished])
-            waiting = waiting[finished:]
+    while engine.scheduler.has_requests():
+        step = engine.step()
+        into.worker.extend(step.worker_ns)
+        into.scheduler.append(step.unpickle_ns + step.merge_ns)
+        if step.finished and waiting:
+            engine.add(waiting[: len(step.finished)])
+            waiting = waiting[len(step.finished) :]
 
 
 def _us(ns: Sequence[int]) -> tuple[float, float]:

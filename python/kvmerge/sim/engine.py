@@ -27,12 +27,12 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .model import BLOCK_SIZE, kv_cache_config
 from .requests import Prompt
-from .transport import dequeue, enqueue, shm_roundtrip
+from .transport import dequeue, enqueue
 from .worker import Worker, build_worker
 
 
@@ -49,6 +49,11 @@ class Step:
     merge_ns: int
     #: What the engine core sends the front end's stat loggers (``log_stats``).
     scheduler_stats: Any = None
+    #: In-process workers only (empty, 0 with an executor): each rank's side,
+    #: its connector's calls and its output's pickling; the scheduler's
+    #: unpickling of the outputs, besides ``merge_ns``.
+    worker_ns: list[int] = field(default_factory=list)
+    unpickle_ns: int = 0
 
 
 def _hasher() -> Any:
@@ -114,21 +119,29 @@ class Engine:
             self.close()
             raise
 
-    def _run_workers(self, so: Any) -> tuple[Any, int]:
-        """Every rank's output for ``so``, aggregated, and the nanoseconds
-        aggregating took in this process."""
+    def _run_workers(self, so: Any, step: Step) -> Any:
+        """Every rank's output for ``so``, aggregated; what each side took in
+        this process goes into ``step``."""
         ex = self.executor
         if ex is not None:
             out = ex.execute_model(so)
             if out is None:
                 out = ex.sample_tokens(self.scheduler.get_grammar_bitmask(so))
-            return out, 0
+            return out
         # One pickling for every worker, as the broadcast queue does.
         received = dequeue(enqueue(so))
-        outputs = [shm_roundtrip(w.execute(received))[0] for w in self.workers]
+        wires = []
+        for w in self.workers:
+            t = time.perf_counter_ns()
+            wires.append(enqueue(w.execute(received)))
+            step.worker_ns.append(time.perf_counter_ns() - t)
         t = time.perf_counter_ns()
+        outputs = [dequeue(wire) for wire in wires]
+        t_aggregate = time.perf_counter_ns()
         out = self.aggregator.aggregate(outputs, output_rank=0)
-        return out, time.perf_counter_ns() - t
+        step.unpickle_ns = t_aggregate - t
+        step.merge_ns = time.perf_counter_ns() - t_aggregate
+        return out
 
     def describe(self) -> list[str]:
         """The worker processes and the queues' shared memory, one per line."""
@@ -163,27 +176,27 @@ class Engine:
 
     def step(self) -> Step:
         so = self.scheduler.schedule()
-        out, aggregate_ns = self._run_workers(so)
+        step = Step(
+            output=so,
+            finished=[],
+            preempted=len(so.preempted_req_ids or ()),
+            merge_ns=0,
+        )
+        out = self._run_workers(so, step)
         t = time.perf_counter_ns()
         results = self.scheduler.update_from_output(so, out)
-        merge_ns = aggregate_ns + time.perf_counter_ns() - t
-        finished = [
+        step.merge_ns += time.perf_counter_ns() - t
+        step.finished = [
             o.request_id
             for eco in results.values()
             for o in eco.outputs
             if o.finish_reason is not None
         ]
-        stats = next(
+        step.scheduler_stats = next(
             (eco.scheduler_stats for eco in results.values() if eco.scheduler_stats),
             None,
         )
-        return Step(
-            output=so,
-            finished=finished,
-            preempted=len(so.preempted_req_ids or ()),
-            merge_ns=merge_ns,
-            scheduler_stats=stats,
-        )
+        return step
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_running_requests=True,
